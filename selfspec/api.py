@@ -1,0 +1,79 @@
+"""The high-level Python API: one target in memory, one drafter attached, `generate`."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from .decoding import GenerationResult, speculative_generate
+from .errors import SelfspecError
+from .heads import create_drafter
+from .models import DEFAULT_MODEL, Target, load_target
+from .sampling import SamplingConfig
+
+
+class TextStream:
+    """Turns committed token ids into printable text pieces as they arrive (never splitting a multi-byte char)."""
+
+    def __init__(self, target: Target, sink: Callable[[str], None]):
+        self.target, self.sink = target, sink
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token_ids) -> None:
+        self.tokens.extend(token_ids)
+        text = self.target.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the rest
+        self.sink(text[self.printed :])
+        self.printed = len(text)
+
+
+class SelfSpec:
+    """A target model with a drafter attached.
+
+    >>> spec = SelfSpec("default", drafter="ngram")
+    >>> result = spec.generate("Write a haiku about caches.", max_new_tokens=64)
+    >>> result.text, result.stats.mean_accepted_length
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Target = DEFAULT_MODEL,
+        drafter: str = "ngram",
+        heads: str | os.PathLike | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        **drafter_options,
+    ):
+        self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype)
+        self.drafter = create_drafter(drafter, self.target, heads, **drafter_options)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        input_ids: torch.Tensor | list[int] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stream: Callable[[str], None] | None = None,
+        chat: bool = True,
+    ) -> GenerationResult:
+        """Generate from a prompt (through the chat template unless chat=False) or from token ids.
+
+        `stream`, if given, receives text pieces as tokens are committed.
+        """
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        if (prompt is None) == (input_ids is None):
+            raise SelfspecError("pass exactly one of prompt or input_ids")
+        if prompt is not None:
+            input_ids = self.target.encode_prompt(prompt, chat=chat)
+        on_tokens = TextStream(self.target, stream) if stream is not None else None
+        tokens, stats = speculative_generate(
+            self.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens
+        )
+        return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)

@@ -1,0 +1,128 @@
+"""`selfspec generate | profile | drafters` (bench, train and tune arrive with their issues).
+
+Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Quiet third-party chatter (progress bars of weight loading, hub warnings) before they are imported.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
+    _add_model_args(generate)
+    generate.add_argument("--drafter", default="ngram", help="drafter name (see `selfspec drafters`)")
+    generate.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
+    generate.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--max-new-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
+    generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    generate.add_argument("--seed", type=int, default=0)
+
+    profile = commands.add_parser("profile", help="measure and store this machine's verification cost curve")
+    _add_model_args(profile)
+    profile.add_argument("--cache-length", type=_positive_int, default=512, help="cached tokens before the timed forward")
+    profile.add_argument("--repeats", type=_positive_int, default=7)
+
+    commands.add_parser("drafters", help="list the registered drafters")
+    return parser
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+def _generate(args) -> None:
+    from .api import SelfSpec
+    from .errors import SelfspecError
+    from .sampling import SamplingConfig
+
+    # Cheap checks first, so bad input fails before a model is loaded.
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.max_new_tokens <= 0:
+        raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise SelfspecError("the prompt is empty: pass some text with --prompt")
+    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype))
+    result = spec.generate(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=lambda piece: print(piece, end="", flush=True),
+        chat=not args.raw,
+    )
+    print()
+    print(f"[selfspec] drafter={args.drafter} {result.stats.summary()}", file=sys.stderr)
+
+
+def _profile(args) -> None:
+    from .cost import measure_cost_curve, save_cost_curve
+    from .models import load_target
+
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    curve = measure_cost_curve(target, cache_length=args.cache_length, repeats=args.repeats)
+    path = save_cost_curve(curve, target.device, target.name)
+    print("n_new_tokens  relative_cost")
+    for n, cost in zip(curve.sizes, curve.relative_cost):
+        print(f"{n:>12}  {cost:.3f}")
+    print(f"stored in {path}")
+
+
+def _drafters(args) -> None:
+    from .heads import drafter_names
+
+    print("\n".join(drafter_names()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from .errors import SelfspecError
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    try:
+        {"generate": _generate, "profile": _profile, "drafters": _drafters}[args.command](args)
+    except SelfspecError as error:
+        print(f"selfspec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nselfspec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

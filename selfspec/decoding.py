@@ -1,0 +1,151 @@
+"""The decoding loop: prefill -> propose -> verify -> commit -> observe.
+
+Batch size 1. The output is what plain decoding of the target gives: token for token when greedy, in distribution
+when sampling, whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import SelfspecError
+from .heads.base import DraftRequest, Drafter, Observation
+from .models import Target
+from .sampling import SamplingConfig
+from .tree_attention import build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    new_tokens: int
+    target_forwards: int  # verification forwards (one per step); the prefill is not counted
+    accepted_lengths: tuple[int, ...]  # tokens emitted per step, the target's own token included
+    tree_sizes: tuple[int, ...]  # nodes verified per step, the root included
+    prefill_s: float
+    wall_s: float  # prefill included, as a user waiting for the answer sees it
+    stop_reason: str  # "eos", "max_new_tokens" or "context"
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per target forward."""
+        return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted depth positions (steps that drafted nothing are left out)."""
+        drafted = [(a, s) for a, s in zip(self.accepted_lengths, self.tree_sizes) if s > 1]
+        return sum(a - 1 for a, _ in drafted) / max(1, sum(s - 1 for _, s in drafted))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
+            f"{self.target_forwards} target forwards, mean accepted length {self.mean_accepted_length:.2f}, "
+            f"stop: {self.stop_reason}"
+        )
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: tuple[int, ...]  # the new tokens only
+    text: str
+    stats: GenerationStats
+
+
+def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Check the request up front; returns input_ids as [1, L] long on the target's device."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise SelfspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise SelfspecError(f"input_ids must be one sequence ([L] or [1, L]); got shape {tuple(input_ids.shape)}")
+    length = input_ids.shape[1]
+    if length == 0:
+        raise SelfspecError("the prompt is empty: pass at least one token")
+    if length >= target.context_limit:
+        raise SelfspecError(
+            f"the prompt is {length} tokens, which leaves no room in the model's context of "
+            f"{target.context_limit} tokens: shorten the prompt"
+        )
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= target.vocab_size:
+        raise SelfspecError(f"input_ids hold token ids outside the vocabulary [0, {target.vocab_size})")
+    return input_ids.to(target.device)
+
+
+def speculative_generate(
+    target: Target,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    on_tokens: Callable[[tuple[int, ...]], None] | None = None,
+) -> tuple[tuple[int, ...], GenerationStats]:
+    """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens."""
+    input_ids = validate_request(target, input_ids, max_new_tokens)
+    model, device, eos = target.model, target.device, set(target.eos_token_ids)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    committed: list[int] = input_ids[0].tolist()
+    new_tokens: list[int] = []
+    accepted_lengths: list[int] = []
+    tree_sizes: list[int] = []
+    stop_reason = "max_new_tokens"
+    start = time.perf_counter()
+    with torch.inference_mode():
+        # 1. Prefill everything but the last prompt token: that one is the first tree's root.
+        cache = target.new_cache()
+        prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None
+        drafter.reset()
+        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, None, None))
+        prefill_s = time.perf_counter() - start
+        while True:
+            budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
+            # 2. Propose, within what the loop can still emit this step.
+            request = DraftRequest(committed[-1], budget - 1, sampling, generator)
+            tree = drafter.propose(request).pruned(budget - 1)
+            assert tree.token_list[0] == committed[-1], f"drafter '{drafter.name}' rooted its tree at the wrong token"
+            # 3. One target forward over the tree, after the cached prefix.
+            inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
+            output = tree_forward(model, cache, inputs, drafter.hidden_layers)
+            # 4. Verify: accepted path plus the target's own token.
+            result = verify(tree, output.logits, sampling, generator)
+            # 5. Commit, stopping at EOS anywhere inside the emitted tokens; keep only the accepted path's KV.
+            emitted = result.emitted
+            eos_at = next((i for i, token in enumerate(emitted) if token in eos), None)
+            if eos_at is not None:
+                emitted, stop_reason = emitted[: eos_at + 1], "eos"
+            compact_cache(cache, tree.size, result.accepted_path)
+            committed.extend(emitted)
+            new_tokens.extend(emitted)
+            accepted_lengths.append(len(emitted))
+            tree_sizes.append(tree.size)
+            if on_tokens is not None:
+                on_tokens(emitted)
+            if eos_at is not None or len(new_tokens) >= max_new_tokens:
+                break
+            if len(committed) >= target.context_limit:
+                stop_reason = "context"
+                break
+            # 6. Let the drafter see what was committed (and the accepted path's hidden states).
+            path = torch.tensor(result.accepted_path, device=device)
+            hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
+            drafter.observe(Observation(emitted, hidden, result, tree))
+    stats = GenerationStats(
+        new_tokens=len(new_tokens),
+        target_forwards=len(accepted_lengths),
+        accepted_lengths=tuple(accepted_lengths),
+        tree_sizes=tuple(tree_sizes),
+        prefill_s=prefill_s,
+        wall_s=time.perf_counter() - start,
+        stop_reason=stop_reason,
+    )
+    return tuple(new_tokens), stats

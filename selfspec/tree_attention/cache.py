@@ -1,0 +1,36 @@
+"""KV-cache compaction: after verification the cache must hold exactly the committed prefix plus the accepted path."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+
+def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) -> None:
+    """Drop the KV of rejected tree nodes from every layer of `cache`.
+
+    The last `n_nodes` cached positions of each layer hold the tree in layout order. Accepted nodes are generally
+    not contiguous (a second child may win), so gather them; a chain prefix (0, 1, ..., k-1) only needs a trim.
+    """
+    kept = len(accepted_path)
+    is_chain_prefix = accepted_path == tuple(range(kept))
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue  # layers that share another layer's KV hold nothing of their own
+        stored = layer.keys.shape[-2]
+        base = stored - n_nodes  # where the tree starts in this layer's storage
+        assert base >= 0, "cache holds fewer positions than the tree that was just forwarded"
+        if is_chain_prefix:
+            layer.keys = layer.keys[..., : base + kept, :]
+            layer.values = layer.values[..., : base + kept, :]
+        else:
+            keep = torch.cat(
+                [
+                    torch.arange(base, device=layer.keys.device),
+                    base + torch.tensor(accepted_path, device=layer.keys.device),
+                ]
+            )
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count the positions they have seen
+            layer.cumulative_length -= n_nodes - kept

@@ -1,0 +1,52 @@
+"""One forward of the unmodified target, over a draft tree or a plain chunk of tokens, reusing the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+from .inputs import TreeInputs
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [n, V] for the n tokens just forwarded
+    hidden: dict[int, torch.Tensor]  # layer index -> [n, H]; index into hidden_states, -1 = the LM head's input
+
+
+def _collect(outputs, hidden_layers: tuple[int, ...]) -> ForwardOutput:
+    hidden = {layer: outputs.hidden_states[layer][0] for layer in hidden_layers}
+    return ForwardOutput(logits=outputs.logits[0], hidden=hidden)
+
+
+def tree_forward(
+    model: torch.nn.Module, cache: Cache, inputs: TreeInputs, hidden_layers: tuple[int, ...] = ()
+) -> ForwardOutput:
+    """Run the target over the tree nodes under the tree mask; the nodes' KV is appended to `cache`."""
+    outputs = model(
+        input_ids=inputs.input_ids,
+        position_ids=inputs.position_ids,
+        attention_mask=inputs.attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+    )
+    return _collect(outputs, hidden_layers)
+
+
+def chunk_forward(
+    model: torch.nn.Module, cache: Cache, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()
+) -> ForwardOutput:
+    """Plain causal forward of `input_ids` [1, m] after whatever `cache` holds (used for prefill)."""
+    start = cache.get_seq_length()
+    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).view(1, -1)
+    outputs = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+    )
+    return _collect(outputs, hidden_layers)

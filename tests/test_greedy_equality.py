@@ -1,0 +1,107 @@
+"""Greedy speculative output equals plain greedy decoding token for token, whatever the drafter proposes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.decoding import speculative_generate
+from selfspec.heads import create_drafter
+from selfspec.models import Target
+
+from .conftest import CORE_FAMILIES, make_tiny_target
+from .drafters import OracleDrafter, RandomDrafter
+
+PROMPT = [1, 5, 17, 33, 5, 17, 40, 8, 9, 5, 17]
+
+
+def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """The reference: transformers' own generate, greedy, same model."""
+    with torch.inference_mode():
+        output = target.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos if eos is not None else target.eos_token_ids[0],
+            pad_token_id=0,
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+def drafters_for(target: Target, reference: list[int]):
+    full = PROMPT + reference
+    return {
+        "none": create_drafter("none", target),
+        "ngram": create_drafter("ngram", target),
+        "oracle": OracleDrafter(target, full, depth=5),
+        "oracle-decoys": OracleDrafter(target, full, depth=4, decoys=True),
+        "random-wide": RandomDrafter(target, width=3, depth=3),
+    }
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_greedy_equals_plain_greedy(family):
+    target = make_tiny_target(family)
+    target.model.generation_config.eos_token_id = None  # run the full length
+    target._eos = ()
+    reference = hf_greedy(target, PROMPT, 40, eos=-1)
+    assert len(reference) == 40
+    for name, drafter in drafters_for(target, reference).items():
+        tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 40)
+        assert list(tokens) == reference, f"{family}/{name} diverged from plain greedy"
+        assert stats.new_tokens == 40 and stats.stop_reason == "max_new_tokens"
+        if name.startswith("oracle"):
+            assert stats.mean_accepted_length > 3.0, f"{family}/{name}: oracle drafts should be accepted"
+        if name == "none":
+            assert stats.target_forwards == 40
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_with_sliding_window_family(family):
+    target = make_tiny_target(family)
+    target._eos = ()
+    reference = hf_greedy(target, PROMPT, 24, eos=-1)
+    tokens, _ = speculative_generate(target, OracleDrafter(target, PROMPT + reference, decoys=True), torch.tensor(PROMPT), 24)
+    assert list(tokens) == reference
+
+
+def test_eos_inside_accepted_draft_stops_there():
+    target = make_tiny_target("llama")
+    target._eos = ()
+    free_run = hf_greedy(target, PROMPT, 30, eos=-1)
+    eos = free_run[6]  # a token the oracle will draft in the middle of an accepted chain
+    first = free_run.index(eos)
+    target._eos = (eos,)
+    reference = hf_greedy(target, PROMPT, 30, eos=eos)
+    assert reference == free_run[: first + 1]
+    tokens, stats = speculative_generate(target, OracleDrafter(target, PROMPT + free_run, depth=8), torch.tensor(PROMPT), 30)
+    assert list(tokens) == reference and stats.stop_reason == "eos"
+    assert max(stats.accepted_lengths) > 1  # EOS really arrived inside a multi-token step
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_exactly_max_new_tokens_even_when_drafts_are_longer(max_new_tokens):
+    target = make_tiny_target("qwen2")
+    target._eos = ()
+    reference = hf_greedy(target, PROMPT, max_new_tokens, eos=-1)
+    drafter = OracleDrafter(target, PROMPT + hf_greedy(target, PROMPT, 20, eos=-1), depth=6)
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), max_new_tokens)
+    assert list(tokens) == reference and len(tokens) == max_new_tokens
+
+
+def test_stops_at_context_limit():
+    target = make_tiny_target("llama", max_position_embeddings=len(PROMPT) + 9)
+    target._eos = ()
+    reference = hf_greedy(target, PROMPT, 30, eos=-1)[:9]
+    drafter = OracleDrafter(target, PROMPT + reference + [3] * 20, depth=5)
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
+    assert list(tokens) == reference
+    assert stats.stop_reason == "context" and len(PROMPT) + len(tokens) == target.context_limit
+
+
+def test_single_token_prompt():
+    target = make_tiny_target("mistral")
+    target._eos = ()
+    reference = hf_greedy(target, [7], 12, eos=-1)
+    tokens, _ = speculative_generate(target, create_drafter("ngram", target), torch.tensor([7]), 12)
+    assert list(tokens) == reference

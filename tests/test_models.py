@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import pytest
+
+from selfspec import SelfspecError, load_target
+
+from .conftest import make_tiny_target
+
+
+def test_load_checkpoint_directory(tiny_checkpoint):
+    target = load_target(tiny_checkpoint, device="cpu")
+    assert target.tokenizer is not None and target.num_layers == 2
+    ids = target.encode_prompt("the cat sat")
+    assert ids.shape[0] == 1 and ids.shape[1] > 3  # chat template added role markers
+    assert target.encode_prompt("the cat sat", chat=False).shape[1] < ids.shape[1]
+    assert target.fingerprint.architecture == "LlamaForCausalLM"
+    assert target.fingerprint == load_target(tiny_checkpoint, device="cpu").fingerprint
+
+
+def test_fingerprint_differences():
+    a, b = make_tiny_target("llama").fingerprint, make_tiny_target("qwen2").fingerprint
+    assert a.differences(a) == [] and any("architecture" in d for d in a.differences(b))
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(SelfspecError, match="no config.json"):
+        load_target(tmp_path)
+
+
+def test_hub_id_without_local_copy_is_an_offline_error():
+    with pytest.raises(SelfspecError, match="no offline copy"):
+        load_target("someone/not-a-cached-model")
+
+
+def test_sliding_window_models_are_limited_to_their_window():
+    assert make_tiny_target("gemma2").context_limit == 200
+    assert make_tiny_target("llama").context_limit == 256

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.cost import CostCurve
+from selfspec.heads import create_drafter
+from selfspec.heads.base import DraftRequest, Observation
+from selfspec.sampling import SamplingConfig
+
+from .conftest import make_tiny_target
+
+FLAT = CostCurve((1, 64), (1.0, 1.0), source="test")
+
+
+def ngram_with_context(context, **options):
+    drafter = create_drafter("ngram", make_tiny_target("llama"), **options)
+    drafter.cost_curve = FLAT
+    drafter.observe(Observation(tuple(context), {}, None, None))
+    return drafter
+
+
+def test_ngram_copies_the_continuation_of_the_latest_match():
+    drafter = ngram_with_context([5, 6, 7, 8, 9, 1, 5, 6, 7, 3, 4, 5, 6])
+    tree = drafter.propose(DraftRequest(6, 4, SamplingConfig(), None))
+    paths = [[tree.token_list[i] for i in tree.path_to(leaf)][1:] for leaf in range(tree.size) if not tree.children(leaf)]
+    # (5, 6) occurs twice before: followed by 7 3 4 5 (latest) and 7 8 9 1 -> one branch per distinct next token
+    assert paths[0] == [7, 3, 4, 5]
+    assert tree.token_list[0] == 6 and tree.max_depth <= 4
+
+
+def test_ngram_branches_on_distinct_next_tokens():
+    drafter = ngram_with_context([1, 2, 3, 9, 1, 2, 4, 9, 1, 2], max_candidates=3)
+    tree = drafter.propose(DraftRequest(2, 3, SamplingConfig(), None))
+    assert sorted(tree.token_list[c] for c in tree.children(0)) == [3, 4]
+
+
+def test_ngram_without_match_proposes_root_only():
+    drafter = ngram_with_context([1, 2, 3, 4])
+    assert drafter.propose(DraftRequest(4, 5, SamplingConfig(), None)).size == 1
+
+
+def test_ngram_respects_max_depth():
+    drafter = ngram_with_context([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    assert drafter.propose(DraftRequest(2, 2, SamplingConfig(), None)).max_depth <= 2
+    assert drafter.propose(DraftRequest(2, 0, SamplingConfig(), None)).size == 1
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.8, 2.0), source="test")
+    assert curve.cost(1) == 1.0 and curve.cost(3) == pytest.approx(1.45) and curve.cost(16) == pytest.approx(2.4)
+
+
+def test_best_chain_length_follows_cost_and_acceptance():
+    cpu = CostCurve((1, 2, 4, 8, 16), (1.0, 1.1, 1.8, 2.0, 2.2), source="test")
+    gpu = CostCurve((1, 64), (1.0, 1.05), source="test")
+    assert cpu.best_chain_length(0.05, 16) == 0  # drafting does not pay
+    assert cpu.best_chain_length(0.5, 16) == 1
+    assert cpu.best_chain_length(0.95, 16) >= 7
+    assert gpu.best_chain_length(0.6, 16) > cpu.best_chain_length(0.6, 16)
+    assert curve_size_limit(cpu) == 2
+
+
+def curve_size_limit(curve):
+    return curve.largest_size_within(1.15)
