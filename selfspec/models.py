@@ -144,16 +144,24 @@ class Target:
         """Prompt text -> input ids [1, L]; chat prompts go through the model's own chat template."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise SelfspecError("the prompt is empty: pass some text to generate from")
+        if chat:
+            return self.encode_messages([{"role": "user", "content": prompt}])
+        self._require_tokenizer()
+        return torch.tensor([self.tokenizer(prompt)["input_ids"]], dtype=torch.long)
+
+    def encode_messages(self, messages: list[dict]) -> torch.Tensor:
+        """Chat messages ({role, content}) -> input ids [1, L] through the chat template, ready for the assistant.
+        A tokenizer without a template gets the messages' contents joined by newlines."""
+        self._require_tokenizer()
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return torch.tensor([self.tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
+        text = "\n".join(message["content"] for message in messages)
+        return torch.tensor([self.tokenizer(text)["input_ids"]], dtype=torch.long)
+
+    def _require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise SelfspecError("this target has no tokenizer: pass input_ids instead of a prompt")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
-        return torch.tensor([ids], dtype=torch.long)
 
     def decode(self, token_ids) -> str:
         if self.tokenizer is None:

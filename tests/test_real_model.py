@@ -17,7 +17,6 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def specs():
-    torch.set_num_threads(2)
     ngram = SelfSpec("default", drafter="ngram", device="cpu")
     return ngram, SelfSpec(ngram.target, drafter="none")
 

@@ -1,0 +1,1 @@
+"""Self-distillation data and training."""
