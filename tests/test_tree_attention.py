@@ -90,3 +90,16 @@ def test_chain_compaction_trims():
         tree_forward(target.model, cache, build_tree_inputs(chain, 3, torch.float32, "cpu"))
         compact_cache(cache, 4, (0, 1))
         assert cache.get_seq_length() == 5
+
+
+def test_chain_needs_no_custom_mask_and_matches_the_masked_path():
+    target = make_tiny_target("qwen3")
+    chain = DraftTree(tokens=torch.tensor([4, 5, 6]), parents=torch.tensor([-1, 0, 1]))
+    inputs = build_tree_inputs(chain, 3, torch.float32, "cpu")
+    assert inputs.attention_mask is None and inputs.position_ids.tolist() == [[3, 4, 5]]
+    with torch.inference_mode():
+        cache = target.new_cache()
+        chunk_forward(target.model, cache, torch.tensor([[1, 2, 3]]))
+        plain = tree_forward(target.model, cache, inputs).logits
+        reference = target.model(torch.tensor([[1, 2, 3, 4, 5, 6]])).logits[0, 3:]
+    torch.testing.assert_close(plain, reference, rtol=1e-4, atol=1e-4)

@@ -15,7 +15,9 @@ class TreeInputs:
 
     input_ids: torch.Tensor  # [1, n] long
     position_ids: torch.Tensor  # [1, n] long: prefix_len + depth
-    attention_mask: torch.Tensor  # [1, 1, n, prefix_len + n] additive: 0 = visible, dtype min = hidden
+    # [1, 1, n, prefix_len + n] additive: 0 = visible, dtype min = hidden. None for a chain: plain causal attention,
+    # which the model builds itself and runs on the same kernels as ordinary decoding.
+    attention_mask: torch.Tensor | None
     prefix_len: int  # tokens already in the KV cache
 
 
@@ -40,13 +42,20 @@ def build_tree_inputs(
 ) -> TreeInputs:
     """Every node sees the cached prefix, its ancestors and itself; positions are prefix_len + depth."""
     n = tree.size
-    visible = ancestor_matrix(tree, device)  # [n, n]
-    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)
-    mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
     depths = torch.tensor(tree.depth_list, dtype=torch.long, device=device)
+    mask = None
+    if tree.parent_list != tuple(range(-1, n - 1)):  # a real tree, not a chain
+        visible = ancestor_matrix(tree, device)  # [n, n]
+        # Rows padded to a multiple of 16 elements: fused attention kernels want aligned mask strides and would
+        # otherwise copy the mask into a padded buffer on every call.
+        width = prefix_len + n
+        storage = torch.zeros(n, -(-width // 16) * 16, dtype=dtype, device=device)
+        mask = storage[:, :width]
+        mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
+        mask = mask.view(1, 1, n, width)
     return TreeInputs(
         input_ids=tree.tokens.to(device).view(1, n),
         position_ids=(prefix_len + depths).view(1, n),
-        attention_mask=mask.view(1, 1, n, prefix_len + n),
+        attention_mask=mask,
         prefix_len=prefix_len,
     )
