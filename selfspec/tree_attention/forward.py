@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,15 +26,26 @@ def tree_forward(
     model: torch.nn.Module, cache: Cache, inputs: TreeInputs, hidden_layers: tuple[int, ...] = ()
 ) -> ForwardOutput:
     """Run the target over the tree nodes under the tree mask; the nodes' KV is appended to `cache`."""
-    outputs = model(
-        input_ids=inputs.input_ids,
-        position_ids=inputs.position_ids,
-        attention_mask=inputs.attention_mask,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-    )
+    with _masked_attention_kernels(inputs):
+        outputs = model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            attention_mask=inputs.attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+        )
     return _collect(outputs, hidden_layers)
+
+
+def _masked_attention_kernels(inputs: TreeInputs):
+    """On CUDA, keep SDPA's cuDNN backend away from tree masks: it builds a new execution plan for every new key
+    length, i.e. at every decoding step (measured on an H100 in bf16: tree steps ~2.7x slower than plain ones)."""
+    if inputs.attention_mask is None or inputs.attention_mask.device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def chunk_forward(
