@@ -1,4 +1,4 @@
-"""`selfspec generate | bench | profile | drafters` (train and tune arrive with their issues).
+"""`selfspec generate | bench | profile | train | medusa-tree | drafters`.
 
 Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
 """
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmark drafters against HF generate and HF peers on real prompts")
     _add_model_args(bench)
-    bench.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names (`none` always runs)")
+    bench.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names (`none` always runs); options after colons, e.g. eagle:fixed_nodes=60")
     bench.add_argument("--datasets", default="mtbench,humaneval", help="comma-separated: mtbench, humaneval, sharegpt")
     bench.add_argument("--prompts", default=None, help="a JSONL file of your own prompts (prompt / turns / conversations)")
     bench.add_argument("--peers", default="hf_prompt_lookup,hf_early_exit", help="HF peers to run beside ('' for none)")
@@ -63,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--heads", default=None, help="heads directory for drafters that have trained parts")
     bench.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and charts")
     bench.add_argument("--quick", action="store_true", help=f"smoke test: 2 prompts per set, 16 new tokens")
+
+    train = commands.add_parser("train", help="self-distil a drafter's heads from the target (data, labels, training, eval)")
+    train.add_argument("drafter", choices=["medusa", "eagle"], help="which drafter to train")
+    train.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/medusa-smollm2.yaml")
+    train.add_argument("--model", default=None, help="override the recipe's model")
+    train.add_argument("--out", default=None, help="override the recipe's output heads directory")
+    train.add_argument("--max-steps", type=_positive_int, default=None, help="override train.max_steps")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the work directory")
+
+    tree = commands.add_parser("medusa-tree", help="rebuild a Medusa heads directory's tree from measured top-k accuracies")
+    _add_model_args(tree)
+    tree.add_argument("--heads", required=True, help="the Medusa heads directory to update")
+    tree.add_argument("--data", required=True, help="'sharegpt' (training split) or a JSONL file of conversations the heads were not trained on")
+    tree.add_argument("--conversations", type=_positive_int, default=100)
+    tree.add_argument("--max-nodes", type=_positive_int, default=64, help="tree candidates to rank (the budget is chosen at run time)")
 
     commands.add_parser("drafters", help="list the registered drafters")
     return parser
@@ -139,6 +154,32 @@ def _bench(args) -> None:
     print(run_bench(target, request, settings))
 
 
+def _train(args) -> None:
+    from .training.config import load_recipe
+    from .training.pipeline import run_recipe
+
+    config = load_recipe(args.config, {"model": args.model, "out": args.out})
+    if config.drafter != args.drafter:
+        from .errors import SelfspecError
+
+        raise SelfspecError(f"{args.config} is a '{config.drafter}' recipe, not '{args.drafter}'")
+    report = run_recipe(config, resume=args.resume, max_steps=args.max_steps)
+    heldout = report.get("heldout", {})
+    print(f"heads written to {config.out}; held-out mean accepted length {heldout.get('mean_accepted_length', '-')}; "
+          f"report: {config.out}/training_report.json")
+
+
+def _medusa_tree(args) -> None:
+    from pathlib import Path
+
+    from .models import load_target
+    from .training.medusa_recipe import rebuild_tree
+
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)
+    print(f"tree of up to {result['nodes']} nodes from {result['sequences']} sequences written to {args.heads}")
+
+
 def _drafters(args) -> None:
     from .heads import drafter_names
 
@@ -156,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
 
     try:
-        {"generate": _generate, "profile": _profile, "bench": _bench, "drafters": _drafters}[args.command](args)
+        {
+            "generate": _generate, "profile": _profile, "bench": _bench, "train": _train, "medusa-tree": _medusa_tree,
+            "drafters": _drafters,
+        }[args.command](args)
     except SelfspecError as error:
         print(f"selfspec: error: {error}", file=sys.stderr)
         return 2

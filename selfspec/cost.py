@@ -82,7 +82,8 @@ def load_cost_curve(device: torch.device | str, model_name: str) -> CostCurve:
 
 
 def measure_cost_curve(target: Target, cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES) -> CostCurve:
-    """Time one forward of n new tokens after `cache_length` cached ones; the median of `repeats` rounds."""
+    """Time one forward of n new tokens after `cache_length` cached ones: the fastest of `repeats` rounds (the least
+    disturbed by other load), then made non-decreasing in n, since a larger tree never costs less."""
     from .tree_attention import DraftTree, build_tree_inputs, compact_cache, tree_forward
 
     model, device = target.model, target.device
@@ -105,9 +106,21 @@ def measure_cost_curve(target: Target, cache_length: int = 512, repeats: int = 7
                 if round_index > 0:
                     samples[n].append(time.perf_counter() - start)
                 compact_cache(cache, n, ())  # drop the n new positions again
-    timings = {n: sorted(values)[len(values) // 2] for n, values in samples.items()}
-    base = timings[1]
-    return CostCurve(tuple(sizes), tuple(round(timings[n] / base, 3) for n in sizes), source="measured")
+    timings = {n: min(values) for n, values in samples.items()}
+    relative = monotone_fit([timings[n] / timings[1] for n in sizes])
+    return CostCurve(tuple(sizes), tuple(round(max(1.0, value), 3) for value in relative), source="measured")
+
+
+def monotone_fit(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): timing noise can make a
+    larger size look cheaper, which would send the tree budget chasing a measurement artefact."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, count_a), (mean_b, count_b) = blocks[-2], blocks.pop()
+            blocks[-1] = [(mean_a * count_a + mean_b * count_b) / (count_a + count_b), count_a + count_b]
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 def save_cost_curve(curve: CostCurve, device: torch.device | str, model_name: str) -> Path:

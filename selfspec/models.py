@@ -72,6 +72,7 @@ class Target:
     tokenizer: object | None
     name: str = "model"
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
 
     @property
     def config(self):

@@ -34,8 +34,10 @@ class BigramTreeDrafter(Drafter):
 
     def __init__(self, target, drawn: bool, without_replacement: bool = False):
         super().__init__(target, load_cost_curve("cpu", target.name))
+        # Its own generator: the table must not depend on which tests ran before in the same process.
         rng = torch.Generator().manual_seed(7)
-        self.table = 0.5 * torch.distributions.Dirichlet(torch.ones(VOCAB)).sample((VOCAB,)) + 0.5 / VOCAB
+        dirichlet = -torch.rand(VOCAB, VOCAB, generator=rng).log()  # Gamma(1) draws, normalised: Dirichlet(1) rows
+        self.table = 0.5 * dirichlet / dirichlet.sum(-1, keepdim=True) + 0.5 / VOCAB
         self.table = 0.5 * torch.rand(VOCAB, VOCAB, generator=rng).softmax(-1) + 0.5 * self.table
         self.drawn, self.without_replacement = drawn, without_replacement
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.cost import CostCurve
+from selfspec.cost import CostCurve, monotone_fit
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
 from selfspec.sampling import SamplingConfig
@@ -49,6 +49,15 @@ def test_ngram_respects_max_depth():
 def test_cost_curve_interpolates_and_extrapolates():
     curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.8, 2.0), source="test")
     assert curve.cost(1) == 1.0 and curve.cost(3) == pytest.approx(1.45) and curve.cost(16) == pytest.approx(2.4)
+
+
+def test_monotone_fit_removes_timing_noise():
+    noisy = [1.0, 1.616, 1.912, 1.492, 1.395, 1.248, 1.435, 1.527, 1.845]  # a profile taken under load
+    fitted = monotone_fit(noisy)
+    assert all(a <= b for a, b in zip(fitted, fitted[1:]))
+    assert fitted[0] == 1.0 and fitted[-1] == pytest.approx(1.845)
+    assert sum(fitted) == pytest.approx(sum(noisy))  # pooling keeps the mean of each pooled run
+    assert monotone_fit([1.0, 1.1, 1.8]) == [1.0, 1.1, 1.8]
 
 
 def test_best_chain_length_follows_cost_and_acceptance():

@@ -31,3 +31,26 @@ def test_default_model_greedy_matches_hf_generate(specs, prompt):
         result = spec.generate(input_ids=ids, max_new_tokens=48)
         assert list(result.token_ids) == reference
     assert result.text.strip()
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+def test_shipped_heads_greedy_match_hf_generate(specs, drafter):
+    """The heads in the repository attach to the default model with no flags, stay small, and stay lossless."""
+    from selfspec.heads.artifacts import SHIPPED_DIR
+
+    ngram, _ = specs
+    shipped = SHIPPED_DIR / f"{drafter}-smollm2"
+    assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < 30 * 2**20
+    assert SelfSpec(ngram.target, drafter=drafter).drafter.target is ngram.target  # found with no flags
+    # A fixed 16-node tree: the default size follows this machine's stored cost curve, which varies.
+    spec = SelfSpec(ngram.target, drafter=drafter, **{"max_nodes" if drafter == "medusa" else "fixed_nodes": 16})
+    accepted = forwards = 0
+    for prompt in PROMPTS:
+        ids = ngram.target.encode_prompt(prompt)
+        with torch.inference_mode():
+            reference = ngram.target.model.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :].tolist()
+        result = spec.generate(input_ids=ids, max_new_tokens=48)
+        assert list(result.token_ids) == reference
+        accepted += result.stats.new_tokens
+        forwards += result.stats.target_forwards
+    assert accepted / forwards > 1.3  # trained heads: drafts are accepted

@@ -35,8 +35,9 @@ class BenchRequest:
 
 
 def parse_list(text: str, valid: list[str] | tuple[str, ...], what: str) -> tuple[str, ...]:
+    """Comma-separated names; a drafter may carry options after colons (`eagle:fixed_nodes=60`)."""
     items = tuple(item.strip() for item in text.split(",") if item.strip())
-    unknown = [item for item in items if item not in valid]
+    unknown = [item for item in items if item.split(":")[0] not in valid]
     if unknown:
         raise SelfspecError(f"unknown {what} {', '.join(map(repr, unknown))}: choose from {', '.join(valid)}")
     return items

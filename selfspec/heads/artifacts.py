@@ -1,0 +1,129 @@
+"""A trained head on disk: `config.json` (typed, unknown keys rejected) + `model.safetensors` (fingerprint of the base
+model in its metadata), optionally an `adapter/` (LoRA on the base, Medusa-2). Written to a temporary directory and
+renamed, so a directory is whole or absent. The base model's weights are never written here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..errors import SelfspecError
+from ..models import ModelFingerprint, Target
+from ..training.config import from_dict, to_dict
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+ADAPTER = "adapter"
+SHIPPED_DIR = Path(__file__).parent / "trained"  # heads shipped in the repository, for the default model
+
+
+@dataclass(frozen=True)
+class HeadArtifact:
+    drafter: str
+    config: object  # the drafter's typed config dataclass
+    state: dict[str, torch.Tensor]
+    fingerprint: ModelFingerprint
+    extra: dict  # data beside the weights (tree shape, accuracies, ...), stored in config.json under "data"
+
+
+def save_head(
+    directory: Path,
+    drafter: str,
+    config,
+    state: dict[str, torch.Tensor],
+    fingerprint: ModelFingerprint,
+    extra: dict | None = None,
+    write_adapter: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a head directory atomically (replacing an existing one)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    try:
+        document = {"drafter": drafter, "config": to_dict(config), "data": extra or {}}
+        (temp / CONFIG).write_text(json.dumps(document, indent=1) + "\n")
+        metadata = {"fingerprint": json.dumps(fingerprint.to_dict()), "drafter": drafter}
+        save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, str(temp / WEIGHTS), metadata=metadata)
+        if write_adapter is not None:
+            write_adapter(temp / ADAPTER)
+        temp.chmod(0o755)  # mkdtemp makes a private directory; a heads directory is an ordinary output
+        if directory.exists():
+            backup = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(backup, ignore_errors=True)
+            directory.rename(backup)
+            temp.rename(directory)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            temp.rename(directory)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_head(directory: Path, drafter: str, config_cls, target: Target) -> HeadArtifact:
+    """Read and check a head directory: the right drafter, a valid config, the fingerprint of `target`."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG, directory / WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise SelfspecError(f"'{directory}' is not a heads directory (needs {CONFIG} and {WEIGHTS})")
+    try:
+        document = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise SelfspecError(f"{config_path} is not valid JSON ({error.msg})") from None
+    if not isinstance(document, dict) or set(document) != {"drafter", "config", "data"}:
+        raise SelfspecError(f"{config_path}: expected the keys drafter, config, data")
+    if document["drafter"] != drafter:
+        raise SelfspecError(f"'{directory}' holds '{document['drafter']}' heads, not '{drafter}': use --drafter {document['drafter']}")
+    config = from_dict(config_cls, document["config"], where=str(config_path))
+    try:
+        with safe_open(str(weights_path), framework="pt") as file:
+            metadata = file.metadata() or {}
+            state = {name: file.get_tensor(name) for name in file.keys()}
+    except (SafetensorError, OSError) as error:
+        raise SelfspecError(f"{weights_path} is unreadable ({error}): retrain or re-download the heads") from None
+    if "fingerprint" not in metadata:
+        raise SelfspecError(f"{weights_path} has no base-model fingerprint: it was not written by selfspec")
+    fingerprint = ModelFingerprint.from_dict(json.loads(metadata["fingerprint"]))
+    differences = fingerprint.differences(target.fingerprint)
+    if differences:
+        raise SelfspecError(
+            f"heads in '{directory}' were trained for another base model ({'; '.join(differences)}): "
+            f"train heads for this model with `selfspec train {drafter}`"
+        )
+    return HeadArtifact(drafter, config, state, fingerprint, document["data"])
+
+
+def load_state_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
+    """load_state_dict(strict=True) with shape checks, as a one-line SelfspecError."""
+    expected = module.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [name for name in expected if name in state and state[name].shape != expected[name].shape]
+    if missing or unexpected or wrong:
+        raise SelfspecError(
+            f"weights in '{where}' do not match the head's config (missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"wrong shape {wrong[:3]})"
+        )
+    module.load_state_dict(state, strict=True)
+
+
+def find_shipped_head(target: Target, drafter: str, config_cls) -> Path:
+    """The shipped heads directory for `drafter` whose fingerprint matches `target`; anything else needs --heads."""
+    for candidate in sorted(SHIPPED_DIR.glob(f"{drafter}-*")):
+        try:
+            load_head(candidate, drafter, config_cls, target)
+            return candidate
+        except SelfspecError:
+            continue
+    raise SelfspecError(
+        f"no shipped '{drafter}' heads match this model: train some with `selfspec train {drafter}` and pass --heads DIR"
+    )

@@ -1,0 +1,138 @@
+"""Labels from the target: what heads learn from, recorded by running the target over the training sequences.
+
+For every position t of a sequence: the hidden states of the layers the head asks for (row t of
+`hidden_states[layer]`) and the target's next-token distribution at t, as its top-k probabilities (which predict
+token t + 1). Either cached on disk in shards with a manifest (resumable: finished shards are kept and the run
+continues after the last one) or computed on the fly per batch (`storage: stream`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..errors import SelfspecError
+from ..models import Target
+from .data import Example, _atomic_write_text
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class LabeledSequence:
+    input_ids: torch.Tensor  # [L] long
+    loss_mask: torch.Tensor  # [L] bool: token t is a learnable (assistant) token
+    hidden: dict[int, torch.Tensor]  # layer -> [L, H] (bf16 when cached)
+    topk_ids: torch.Tensor  # [L, k] long: the target's top-k next tokens after position t
+    topk_probs: torch.Tensor  # [L, k] float: their probabilities (temperature 1)
+
+
+def label_sequence(target: Target, example: Example, layers: tuple[int, ...], top_k: int) -> LabeledSequence:
+    """One forward of the target over the whole sequence (no cache) -> its hidden states and top-k distribution."""
+    with torch.inference_mode():
+        outputs = target.model(
+            input_ids=example.input_ids.view(1, -1).to(target.device), use_cache=False, output_hidden_states=bool(layers)
+        )
+        probs = torch.softmax(outputs.logits[0].float(), dim=-1)
+        topk_probs, topk_ids = probs.topk(top_k, dim=-1)
+        hidden = {layer: outputs.hidden_states[layer][0].to(torch.bfloat16).cpu() for layer in layers}
+    return LabeledSequence(example.input_ids, example.loss_mask, hidden, topk_ids.cpu(), topk_probs.half().cpu())
+
+
+def _manifest_header(target: Target, layers: tuple[int, ...], top_k: int, examples: list[Example]) -> dict:
+    return {
+        "fingerprint": target.fingerprint.to_dict(),
+        "layers": list(layers),
+        "top_k": top_k,
+        "examples": len(examples),
+        "example_ids_head": [example.id for example in examples[:8]],
+    }
+
+
+def build_label_cache(
+    target: Target, examples: list[Example], directory: Path, layers: tuple[int, ...], top_k: int, shard_examples: int
+) -> Path:
+    """Write label shards for `examples` under `directory`, resuming after the last finished shard."""
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest_path = directory / MANIFEST
+    header = _manifest_header(target, layers, top_k, examples)
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    if manifest is None or {key: manifest.get(key) for key in header} != header:
+        manifest = dict(header, shards=[], complete=False)  # new, or made for other data: start over
+    done = sum(shard["examples"] for shard in manifest["shards"])
+    with tqdm(total=len(examples), initial=done, desc="labels", unit="seq") as bar:
+        while done < len(examples):
+            batch = examples[done : done + shard_examples]
+            sequences = []
+            for example in batch:
+                sequences.append(label_sequence(target, example, layers, top_k))
+                bar.update(1)
+            name = f"shard-{len(manifest['shards']):05d}.safetensors"
+            _save_shard(directory / name, sequences)
+            done += len(batch)
+            manifest["shards"].append({"file": name, "examples": len(batch), "tokens": sum(len(s.input_ids) for s in sequences)})
+            manifest["complete"] = done >= len(examples)
+            _write_json(manifest_path, manifest)
+    if not manifest["complete"]:  # zero examples
+        manifest["complete"] = True
+        _write_json(manifest_path, manifest)
+    return directory
+
+
+def _save_shard(path: Path, sequences: list[LabeledSequence]) -> None:
+    lengths = torch.tensor([len(s.input_ids) for s in sequences])
+    tensors = {
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "input_ids": torch.cat([s.input_ids for s in sequences]),
+        "loss_mask": torch.cat([s.loss_mask for s in sequences]).to(torch.uint8),
+        "topk_ids": torch.cat([s.topk_ids for s in sequences]).to(torch.int32),
+        "topk_probs": torch.cat([s.topk_probs for s in sequences]),
+    }
+    for layer in sequences[0].hidden:
+        tensors[f"hidden.{layer}"] = torch.cat([s.hidden[layer] for s in sequences])
+    handle, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(handle)
+    save_file(tensors, temp)
+    os.replace(temp, path)
+
+
+def load_label_cache(directory: Path) -> list[LabeledSequence]:
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise SelfspecError(f"no label cache in '{directory}' (missing {MANIFEST})")
+    manifest = json.loads(manifest_path.read_text())
+    if not manifest.get("complete"):
+        raise SelfspecError(f"the label cache in '{directory}' is incomplete: rerun the training command to resume it")
+    sequences = []
+    for shard in manifest["shards"]:
+        tensors = load_file(str(directory / shard["file"]))
+        offsets = tensors["offsets"].tolist()
+        layers = [int(key.split(".", 1)[1]) for key in tensors if key.startswith("hidden.")]
+        for start, end in zip(offsets, offsets[1:]):
+            sequences.append(
+                LabeledSequence(
+                    input_ids=tensors["input_ids"][start:end],
+                    loss_mask=tensors["loss_mask"][start:end].bool(),
+                    hidden={layer: tensors[f"hidden.{layer}"][start:end] for layer in layers},
+                    topk_ids=tensors["topk_ids"][start:end].long(),
+                    topk_probs=tensors["topk_probs"][start:end],
+                )
+            )
+    return sequences
+
+
+def stream_labels(target: Target, examples: list[Example], layers: tuple[int, ...], top_k: int) -> Iterator[LabeledSequence]:
+    for example in examples:
+        yield label_sequence(target, example, layers, top_k)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    _atomic_write_text(path, json.dumps(data, indent=1))

@@ -1,0 +1,96 @@
+"""The Medusa recipe: heads on the target's last hidden state (Medusa-1), optionally with LoRA on the base (Medusa-2)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import SelfspecError
+from ..heads.artifacts import CONFIG, load_head, save_head
+from ..heads.medusa import MedusaHeads
+from ..models import Target
+from .config import MedusaConfig, RecipeConfig
+from .data import _atomic_write_text, load_conversations, tokenize_conversation
+from .labels import label_sequence
+from .losses import draft_vocabulary
+from .medusa import MedusaTraining, best_tree, head_accuracies
+from .pipeline import checkpoint_dir, recipe_data
+from .trainer import train
+
+LAYERS = (-1,)
+
+
+def _with_lora(target: Target, medusa: MedusaConfig):
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    lora = medusa.lora
+    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    return get_peft_model(target.model, peft_config)
+
+
+def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
+    medusa = config.medusa
+    if medusa.num_heads < 1 or medusa.num_layers < 1 or medusa.max_rank < 1 or medusa.max_tree_nodes < 2:
+        raise SelfspecError("medusa: num_heads, num_layers, max_rank must be >= 1 and max_tree_nodes >= 2")
+    data = recipe_data(target, config, LAYERS, timings, label_calibration=True)
+    train_data, calibration = data.train, data.calibration
+
+    draft_vocab = draft_vocabulary(train_data.sample, medusa.draft_vocab_size, target.vocab_size)
+    lm_weight = target.model.get_output_embeddings().weight
+    heads = MedusaHeads(medusa, lm_weight.float(), draft_vocab)
+    base = None
+    if medusa.lora is not None:
+        base = _with_lora(target, medusa)  # only the adapters train; the original labels were recorded before this
+    module = MedusaTraining(heads, medusa.head_decay, base=base, lora=medusa.lora)
+
+    began = time.perf_counter()
+    summary = train(module, train_data.count, train_data.get, config.train, checkpoint_dir(config), resume, max_steps)
+    timings["train_s"] = round(time.perf_counter() - began, 1)
+
+    heads.eval()
+    accuracies = head_accuracies(heads, calibration, medusa.max_rank)
+    paths, values = best_tree(accuracies, medusa.max_tree_nodes)
+    extra = {
+        "tree": {"paths": [list(p) for p in paths], "values": [round(v, 5) for v in values]},
+        "accuracies": [[round(a, 4) for a in row] for row in accuracies.tolist()],
+    }
+    save_head(
+        Path(config.out), "medusa", medusa, heads.state_dict(), target.fingerprint, extra,
+        write_adapter=(lambda directory: base.save_pretrained(str(directory))) if base is not None else None,
+    )
+    if base is not None:
+        base.unload()  # give the target back its original layers (the adapter is saved with the heads)
+    return {
+        "drafter": "medusa",
+        "variant": "medusa-2 (LoRA)" if medusa.lora else "medusa-1 (frozen base)",
+        "training_sequences": train_data.count,
+        "training_tokens": sum(len(s.input_ids) for s in train_data.sample) if config.labels.storage == "cache" else None,
+        "calibration_sequences": len(calibration),
+        "draft_vocab_size": len(draft_vocab),
+        "steps": summary.steps,
+        "resumed_from": summary.resumed_from,
+        "final_loss": round(summary.final_loss, 4),
+        "final_metrics": {k: round(v, 4) for k, v in summary.final_metrics.items()},
+        "top_k_accuracy": extra["accuracies"],
+    }
+
+
+def rebuild_tree(target: Target, heads_dir: Path, source: str, conversations: int, max_nodes: int, max_length: int = 512) -> dict:
+    """`selfspec medusa-tree`: re-measure the heads' top-k accuracies on `source` and rewrite the tree data."""
+    artifact = load_head(heads_dir, "medusa", MedusaConfig, target)
+    heads = MedusaHeads(artifact.config, target.model.get_output_embeddings().weight.float(), artifact.state["draft_vocab"])
+    heads.load_state_dict(artifact.state, strict=True)
+    examples = [e for e in (tokenize_conversation(target, c, max_length) for c in load_conversations(source, conversations)) if e]
+    if not examples:
+        raise SelfspecError(f"no usable sequences in '{source}'")
+    sequences = [label_sequence(target, e, LAYERS, 1) for e in examples]
+    accuracies = head_accuracies(heads, sequences, artifact.config.max_rank)
+    paths, values = best_tree(accuracies, max_nodes)
+    document = json.loads((heads_dir / CONFIG).read_text())
+    document["data"]["tree"] = {"paths": [list(p) for p in paths], "values": [round(v, 5) for v in values]}
+    document["data"]["accuracies"] = [[round(a, 4) for a in row] for row in accuracies.tolist()]
+    _atomic_write_text(heads_dir / CONFIG, json.dumps(document, indent=1) + "\n")
+    return {"sequences": len(sequences), "nodes": len(paths) + 1, "accuracies": document["data"]["accuracies"]}

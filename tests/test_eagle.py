@@ -1,0 +1,167 @@
+"""EAGLE: tree growth on hand-made head outputs, the head's cache rollback, save/load, and losslessness (greedy
+equality, chi-square) with EAGLE trees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from selfspec.cost import CostCurve
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter
+from selfspec.heads.artifacts import save_head
+from selfspec.heads.eagle import EagleHead, best_size, grow_tree
+from selfspec.sampling import logits_to_probs
+from selfspec.training.config import EagleConfig
+
+from .conftest import CORE_FAMILIES, make_tiny_target
+from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value
+from .test_greedy_equality import PROMPT, hf_greedy
+from .test_training import fake_sharegpt  # noqa: F401  (fixture)
+
+
+def random_eagle_dir(target, directory, draft_vocab=None, seed=0, **config):
+    config = EagleConfig(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
+    torch.manual_seed(seed)
+    head = EagleHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
+    for name, parameter in head.named_parameters():
+        if parameter.dim() > 1:
+            torch.nn.init.normal_(parameter, std=0.3)
+    return save_head(directory, "eagle", config, head.state_dict(), target.fingerprint, {})
+
+
+def log_probs(*probabilities):
+    return torch.tensor(probabilities).log()
+
+
+def test_grow_tree_expands_best_frontier_and_reranks():
+    # vocabulary of 3; the root's children: 0 (0.6), 1 (0.3), 2 (0.1)
+    calls = []
+
+    def expand(nodes, tokens, parents, depth):
+        calls.append((nodes, tokens, parents, depth))
+        return torch.stack([log_probs(0.5, 0.4, 0.1) if token == 0 else log_probs(0.9, 0.05, 0.05) for token in tokens])
+
+    tokens, parents = grow_tree(log_probs(0.6, 0.3, 0.1), expand, top_k=2, depth=2, size_for=lambda scores: 5)
+    # depth 1 expands the best two children (tokens 0 and 1); keep the 4 best of all 7 candidates
+    assert calls == [([0, 1], [0, 1], [-1, -1], 1)]
+    # candidates (top-2 children each): 0:.6  1:.3  (0,0):.30  (0,1):.24  (1,0):.27  (1,1):.015
+    assert tokens == [0, 1, 0, 0] and parents == [-1, -1, 0, 1]  # .6 .3 .30 .27
+    seen = []
+    tokens, parents = grow_tree(log_probs(0.6, 0.3, 0.1), expand, 2, 2, lambda scores: seen.append(list(scores)) or 6)
+    assert [round(math.exp(s), 3) for s in seen[-1]] == [0.6, 0.3, 0.3, 0.27, 0.24, 0.015]
+    assert parents == [-1, -1, 0, 0, 1] and tokens == [0, 1, 0, 1, 0]
+    # A budget of 2 nodes keeps only the best child: only it is worth expanding, and nothing under it can enter.
+    calls.clear()
+    tokens, parents = grow_tree(log_probs(0.6, 0.3, 0.1), expand, top_k=2, depth=3, size_for=lambda scores: 2)
+    assert [c[0] for c in calls] == [[0]] and tokens == [0] and parents == [-1]
+
+
+def test_best_size_follows_the_cost_curve():
+    scores = [math.log(p) for p in (0.9, 0.8, 0.5, 0.2, 0.1)]
+    assert best_size(scores, CostCurve((1, 64), (1.0, 1.0), "flat"), 60) == 6
+    assert best_size(scores, CostCurve((1, 2, 64), (1.0, 2.0, 64.0), "steep"), 60) == 1
+    assert best_size(scores, CostCurve((1, 64), (1.0, 1.0), "flat"), 3) == 3
+
+
+def test_head_cache_rolls_back_after_each_proposal(tmp_path):
+    target = make_tiny_target("llama")
+    drafter = create_drafter("eagle", target, random_eagle_dir(target, tmp_path / "h"))
+    speculative_generate(target, drafter, torch.tensor(PROMPT), 12)
+    committed = drafter.position
+    assert drafter.cache.get_seq_length() == committed
+    before = drafter.cache.layers[0].keys.clone()
+    from selfspec.heads.base import DraftRequest
+    from selfspec.sampling import SamplingConfig
+
+    tree = drafter.propose(DraftRequest(5, 3, SamplingConfig(), None))
+    assert tree.size > 1 and drafter.cache.get_seq_length() == committed
+    assert torch.equal(drafter.cache.layers[0].keys, before)
+
+
+def test_wrong_base_and_round_trip(tmp_path):
+    target = make_tiny_target("llama")
+    directory = random_eagle_dir(target, tmp_path / "h")
+    drafter = create_drafter("eagle", target, directory)
+    from safetensors.torch import load_file
+
+    state = load_file(str(directory / "model.safetensors"))
+    assert set(state) == set(drafter.head.state_dict()) and "embed_weight" not in state
+    with pytest.raises(SelfspecError, match="another base model"):
+        create_drafter("eagle", make_tiny_target("qwen2"), directory)
+    with pytest.raises(SelfspecError, match="'eagle' heads, not 'medusa'"):
+        create_drafter("medusa", target, directory)
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_greedy_equality_with_eagle_trees(family, tmp_path):
+    target = make_tiny_target(family)
+    target.model.generation_config.eos_token_id = None
+    target._eos = ()
+    reference = hf_greedy(target, PROMPT, 30, eos=-1)
+    reduced = torch.arange(0, target.vocab_size, 2)
+    for name, vocab in {"full": None, "reduced": reduced}.items():
+        directory = random_eagle_dir(target, tmp_path / name, draft_vocab=vocab)
+        for nodes in (None, 3, 10):
+            options = {} if nodes is None else {"max_nodes": nodes}
+            drafter = create_drafter("eagle", target, directory, **options)
+            drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")  # free trees: the largest ones get verified
+            tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
+            assert list(tokens) == reference, f"{family}/{name}/{nodes}"
+            assert max(stats.tree_sizes) == (nodes or 10)
+
+
+def test_chi_square_with_eagle_trees(tmp_path):
+    prompt = [3, 5]
+    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=1)
+    target._eos = ()
+    drafter = create_drafter("eagle", target, random_eagle_dir(target, tmp_path / "h", top_k=2, depth=2), max_nodes=5)
+    drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")
+    with torch.inference_mode():
+        first = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1], SAMPLING)
+        second = torch.stack(
+            [logits_to_probs(target.model(torch.tensor([prompt + [t]])).logits[0, -1], SAMPLING) for t in range(VOCAB)]
+        )
+    counts = torch.zeros(VOCAB, VOCAB)
+    for seed in range(20_000):
+        tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 2, SAMPLING, seed=seed)
+        assert stats.tree_sizes[0] > 1
+        counts[tokens[0], tokens[1]] += 1
+    assert chi_square_p_value(counts, first[:, None] * second) > 1e-3
+
+
+def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
+    import json
+
+    from selfspec.models import load_target
+    from selfspec.training.config import TrainConfig
+    from selfspec.training.eagle import EagleTraining
+    from selfspec.training.pipeline import run_recipe
+    from selfspec.training.trainer import collate, train
+
+    from .test_training import _tiny_training_setup, tiny_recipe
+
+    target, sequences, _ = _tiny_training_setup(tiny_checkpoint)
+    module = EagleTraining(EagleHead(EagleConfig(draft_vocab_size=0, feature_noise=0.0), target, torch.arange(target.vocab_size)), EagleConfig(feature_noise=0.0))
+    batch = collate(sequences, torch.device("cpu"))
+    with torch.no_grad():
+        before = module.training_loss(batch)[0].item()
+    config = TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40, checkpoint_every=100, log_every=5)
+    train(module, len(sequences), sequences.__getitem__, config, tmp_path / "ckpt")
+    with torch.no_grad():
+        after, metrics = module.training_loss(batch)
+    assert after.item() < 0.7 * before and set(metrics) == {"top1", "feat"}
+
+    recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="eagle", eagle=EagleConfig(draft_vocab_size=16, top_k=2, depth=3))
+    report = run_recipe(recipe)
+    assert report["drafter"] == "eagle" and report["steps"] == 12
+    heads_dir = tmp_path / "heads"
+    assert json.loads((heads_dir / "config.json").read_text())["drafter"] == "eagle"
+    target = load_target(str(tiny_checkpoint))
+    target._eos = ()
+    prompt = target.encode_prompt("the cat sat on")[0].tolist()
+    tokens, _ = speculative_generate(target, create_drafter("eagle", target, heads_dir), torch.tensor(prompt), 20)
+    assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)

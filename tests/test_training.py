@@ -1,0 +1,246 @@
+"""The self-distillation pipeline: data (held-out never read), labels, the trainer (loss goes down, resume),
+the whole recipe on a tiny checkpoint, Medusa-2 with LoRA, configs and CLI errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import selfspec.training.sharegpt as sharegpt_module
+from selfspec.cli import main
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.models import load_target
+from selfspec.training import labels as labels_module
+from selfspec.training.config import (
+    DataConfig, EvalConfig, LabelConfig, LoraConfig, MedusaConfig, RecipeConfig, TrainConfig, load_recipe,
+)
+from selfspec.training.data import load_conversations, tokenize_conversation
+from selfspec.training.labels import build_label_cache, label_sequence, load_label_cache
+from selfspec.training.medusa import MedusaTraining
+from selfspec.training.pipeline import prepare_examples, run_recipe
+from selfspec.training.sharegpt import Conversation
+from selfspec.training.trainer import collate, train
+
+from .conftest import WORDS
+from .test_greedy_equality import hf_greedy
+
+RECORDS = 100  # held-out: the last 2 records
+
+
+@pytest.fixture
+def fake_sharegpt(tmp_path, monkeypatch):
+    """A torn ShareGPT-like file of 100 complete records (+ a torn one) written with the tiny tokenizer's words."""
+    rng = random.Random(0)
+    records = []
+    for index in range(RECORDS):
+        question = " ".join(rng.choice(WORDS) for _ in range(6))
+        answer = " ".join(rng.choice(WORDS) for _ in range(12))
+        records.append({"id": f"r{index}", "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+    text = "[" + ",".join(json.dumps(r) for r in records) + ', {"id": "torn", "conversations": [{"from": "hum'
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text)
+    monkeypatch.setattr(sharegpt_module, "sharegpt_file", lambda: path)
+    return path
+
+
+def tiny_recipe(tmp_path, checkpoint, **changes) -> RecipeConfig:
+    config = RecipeConfig(
+        drafter="medusa", model=str(checkpoint), out=str(tmp_path / "heads"), work_dir=str(tmp_path / "work"),
+        data=DataConfig(source="sharegpt", conversations=None, max_length=64, regenerate=True, max_prompt_tokens=64,
+                        max_new_tokens=12, regenerate_batch_size=16, calibration_fraction=0.1),
+        labels=LabelConfig(storage="cache", top_k=4, shard_examples=16),
+        train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=12, checkpoint_every=4, log_every=2),
+        eval=EvalConfig(heldout_prompts=0),
+        medusa=MedusaConfig(num_heads=2, draft_vocab_size=16, max_rank=3, max_tree_nodes=8),
+    )
+    return replace(config, **changes)
+
+
+def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch):
+    splits = []
+    real = sharegpt_module.load_sharegpt
+
+    def spy(split, path=None):
+        splits.append(split)
+        return real(split, path)
+
+    monkeypatch.setattr("selfspec.training.data.load_sharegpt", spy)
+    conversations = load_conversations("sharegpt")
+    ids = {c.id for c in conversations}
+    assert len(ids) == 98 and "r98" not in ids and "r99" not in ids and "torn" not in ids
+    config = tiny_recipe(tmp_path, tiny_checkpoint)
+    train_examples, calibration = prepare_examples(load_target(config.model), config)
+    assert splits and set(splits) == {"train"}
+    assert {e.id for e in train_examples + calibration} <= {f"r{i}" for i in range(98)}
+
+
+def test_tokenized_conversation_masks_assistant_tokens_only(tiny_checkpoint):
+    target = load_target(str(tiny_checkpoint))
+    conversation = Conversation("c", ({"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "a dog ran"}))
+    example = tokenize_conversation(target, conversation, 64)
+    tokens = target.tokenizer.convert_ids_to_tokens(example.input_ids.tolist())
+    learned = [t for t, m in zip(tokens, example.loss_mask.tolist()) if m]
+    assert learned == ["a", "dog", "ran"]
+    assert {"the", "cat", "sat"} <= set(tokens[: tokens.index("a")])  # the user turn is rendered, not learned
+
+
+def test_label_shapes_and_cache_round_trip_and_resume(tmp_path, tiny_checkpoint, monkeypatch):
+    target = load_target(str(tiny_checkpoint))
+    conversation = Conversation("c", ({"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a big red dog"}))
+    examples = [replace(tokenize_conversation(target, conversation, 64), id=f"c{i}") for i in range(5)]
+    sequence = label_sequence(target, examples[0], (-1, 1), top_k=4)
+    length = len(examples[0].input_ids)
+    assert sequence.hidden[-1].shape == (length, 32) and sequence.hidden[1].shape == (length, 32)
+    assert sequence.topk_ids.shape == (length, 4) and sequence.topk_probs.shape == (length, 4)
+    with torch.inference_mode():
+        logits = target.model(examples[0].input_ids.view(1, -1)).logits[0]
+    assert torch.equal(sequence.topk_ids[:, 0], logits.argmax(-1))  # row t: the target's guess for token t + 1
+    # An interrupted cache: the first two shards exist, the run stops; the next run labels only the rest.
+    calls = []
+    real = labels_module.label_sequence
+    monkeypatch.setattr(labels_module, "label_sequence", lambda *a, **k: calls.append(1) or real(*a, **k))
+    directory = build_label_cache(target, examples[:4], tmp_path / "labels", (-1,), 4, shard_examples=2)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["shards"], manifest["complete"] = manifest["shards"][:1], False
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    calls.clear()
+    build_label_cache(target, examples[:4], directory, (-1,), 4, shard_examples=2)
+    assert len(calls) == 2  # only the missing shard was labelled again
+    cached = load_label_cache(directory)
+    assert len(cached) == 4 and torch.equal(cached[0].topk_ids, sequence.topk_ids)
+    assert torch.allclose(cached[0].hidden[-1].float(), sequence.hidden[-1].float())
+
+
+def _tiny_training_setup(tiny_checkpoint, count=12):
+    target = load_target(str(tiny_checkpoint))
+    rng = random.Random(1)
+    examples = []
+    for index in range(count):
+        conversation = Conversation(str(index), (
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
+            {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(10))},
+        ))
+        examples.append(tokenize_conversation(target, conversation, 64))
+    sequences = [label_sequence(target, e, (-1,), 4) for e in examples]
+    config = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3)
+    make = lambda: MedusaTraining(MedusaHeads(config, target.model.get_output_embeddings().weight, torch.arange(target.vocab_size)), 0.8)
+    return target, sequences, make
+
+
+def test_tiny_training_run_lowers_the_loss(tmp_path, tiny_checkpoint):
+    _, sequences, make = _tiny_training_setup(tiny_checkpoint)
+    module = make()
+    batch = collate(sequences, torch.device("cpu"))
+    with torch.no_grad():
+        before = module.training_loss(batch)[0].item()
+    config = TrainConfig(batch_size=4, lr=0.02, warmup_steps=2, max_steps=40, checkpoint_every=100, log_every=5)
+    summary = train(module, len(sequences), sequences.__getitem__, config, tmp_path / "ckpt")
+    with torch.no_grad():
+        after, metrics = module.training_loss(batch)
+    assert after.item() < 0.8 * before
+    assert set(metrics) == {"top1_h1", "top1_h2"} and summary.steps == 40
+
+
+def test_resume_continues_where_it_stopped(tmp_path, tiny_checkpoint):
+    _, sequences, make = _tiny_training_setup(tiny_checkpoint)
+    config = TrainConfig(batch_size=4, lr=0.02, warmup_steps=2, max_steps=12, checkpoint_every=6, log_every=2)
+    straight = make()
+    train(straight, len(sequences), sequences.__getitem__, config, tmp_path / "a")
+    interrupted, served = make(), []
+
+    def stop_during_step_8(index):  # an interruption after the step-6 checkpoint, mid-way through step 8
+        served.append(index)
+        if len(served) > 7 * config.batch_size:
+            raise KeyboardInterrupt
+        return sequences[index]
+
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted, len(sequences), stop_during_step_8, config, tmp_path / "b")
+    resumed = make()
+    summary = train(resumed, len(sequences), sequences.__getitem__, config, tmp_path / "b", resume=True)
+    assert summary.resumed_from == 6
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_whole_recipe_on_a_tiny_checkpoint(tmp_path, tiny_checkpoint, fake_sharegpt):
+    config = tiny_recipe(tmp_path, tiny_checkpoint, eval=EvalConfig(heldout_prompts=2, max_new_tokens=8))
+    report = run_recipe(config)
+    heads_dir = tmp_path / "heads"
+    assert (heads_dir / "training_report.json").is_file() and (tmp_path / "work" / "regenerated.jsonl").is_file()
+    assert report["steps"] == 12 and report["draft_vocab_size"] == 16
+    assert report["heldout"]["prompts"] == 2 and report["heldout"]["mean_accepted_length"] >= 1.0
+    tree = json.loads((heads_dir / "config.json").read_text())["data"]["tree"]
+    assert 1 <= len(tree["paths"]) <= 7 and tree["values"] == sorted(tree["values"], reverse=True)
+    target = load_target(str(tiny_checkpoint))
+    drafter = create_drafter("medusa", target, heads_dir)
+    prompt = target.encode_prompt("the cat sat on")[0].tolist()
+    target._eos = ()
+    tokens, _ = speculative_generate(target, drafter, torch.tensor(prompt), 20)
+    assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)
+
+
+def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_checkpoint, fake_sharegpt):
+    medusa = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3, max_tree_nodes=8, lora=LoraConfig(rank=4, alpha=8))
+    config = tiny_recipe(tmp_path, tiny_checkpoint, medusa=medusa, train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=1, max_steps=6, checkpoint_every=3, log_every=2))
+    report = run_recipe(config)
+    heads_dir = tmp_path / "heads"
+    assert (heads_dir / "adapter" / "adapter_config.json").is_file() and "kl" in report["final_metrics"]
+    original = load_target(str(tiny_checkpoint))
+    target = load_target(str(tiny_checkpoint))
+    drafter = create_drafter("medusa", target, heads_dir)
+    changed = [name for (name, a), (_, b) in zip(original.model.state_dict().items(), target.model.state_dict().items()) if not torch.equal(a, b)]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # the adapter was merged into the target
+    create_drafter("medusa", target, heads_dir)  # attaching the same heads again does not merge twice
+    assert torch.equal(dict(target.model.named_parameters())[changed[0]], drafter.target.model.state_dict()[changed[0]])
+    target._eos = ()
+    prompt = target.encode_prompt("the dog ran")[0].tolist()
+    tokens, _ = speculative_generate(target, drafter, torch.tensor(prompt), 16)
+    assert list(tokens) == hf_greedy(target, prompt, 16, eos=-1)
+
+
+def test_recipe_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter: medusa\ntrain:\n  max_step: 3\n")
+    with pytest.raises(SelfspecError, match="unknown key.*max_step"):
+        load_recipe(bad)
+    bad.write_text("drafter: medusa\ntrain:\n  batch_size: many\n")
+    with pytest.raises(SelfspecError, match="expected int"):
+        load_recipe(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("drafter: medusa\nmedusa:\n  lora: {rank: 4}\n")
+    assert load_recipe(good, {"train.max_steps": 3}).train.max_steps == 3
+    assert load_recipe(good).medusa.lora.rank == 4
+
+
+def test_train_cli_errors(tmp_path, capsys):
+    assert main(["train", "medusa", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "r.yaml").write_text("drafter: eagle\n")
+    assert main(["train", "medusa", "--config", str(tmp_path / "r.yaml")]) == 2
+    assert "not 'medusa'" in capsys.readouterr().err
+
+
+def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_sharegpt):
+    from selfspec.training.data import regenerate
+
+    target = load_target(str(tiny_checkpoint))
+    conversations = load_conversations("sharegpt")[:6]
+    batched = regenerate(target, conversations, tmp_path / "a.jsonl", max_new_tokens=10, batch_size=4)
+    lossless = regenerate(target, conversations, tmp_path / "b.jsonl", max_new_tokens=10, batch_size=4, engine="selfspec")
+    rows_a = [json.loads(line) for line in batched.read_text().splitlines()]
+    rows_b = [json.loads(line) for line in lossless.read_text().splitlines()]
+    assert rows_a == rows_b and len(rows_a) == 6
+    assert rows_a[0]["messages"][0]["role"] == "user" and rows_a[0]["messages"][-1]["role"] == "assistant"
+    # A torn last line (an interrupted run) is dropped and only the missing conversations are regenerated.
+    batched.write_text(batched.read_text() + '{"id": "r9", "mess')
+    regenerate(target, load_conversations("sharegpt")[:8], batched, max_new_tokens=10, batch_size=4)
+    rows = [json.loads(line) for line in batched.read_text().splitlines()]
+    assert [r["id"] for r in rows[:6]] == [r["id"] for r in rows_a] and len(rows) == 8
