@@ -1,4 +1,4 @@
-"""`selfspec generate | bench | profile | train | medusa-tree | drafters`.
+"""`selfspec generate | bench | profile | train | tune | medusa-tree | drafters`.
 
 Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
 """
@@ -65,12 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help=f"smoke test: 2 prompts per set, 16 new tokens")
 
     train = commands.add_parser("train", help="self-distil a drafter's heads from the target (data, labels, training, eval)")
-    train.add_argument("drafter", choices=["medusa", "eagle"], help="which drafter to train")
+    train.add_argument("drafter", choices=["medusa", "eagle", "dflash"], help="which drafter to train")
     train.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/medusa-smollm2.yaml")
     train.add_argument("--model", default=None, help="override the recipe's model")
     train.add_argument("--out", default=None, help="override the recipe's output heads directory")
     train.add_argument("--max-steps", type=_positive_int, default=None, help="override train.max_steps")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the work directory")
+
+    tune = commands.add_parser("tune", help="search a drafter's tuned data on this machine (layerskip: the skip set, Optuna)")
+    tune.add_argument("drafter", choices=["layerskip"], help="which drafter to tune")
+    _add_model_args(tune)
+    tune.add_argument("--trials", type=_positive_int, default=60, help="trials in the study (a resumed study counts those it has)")
+    tune.add_argument("--seed", type=int, default=0, help="seeds the TPE sampler and the calibration sample")
+    tune.add_argument("--data", default="sharegpt", help="calibration data: 'sharegpt' (training split) or a JSONL file of conversations")
+    tune.add_argument("--prompts", type=_positive_int, default=4, help="calibration prompts timed per trial")
+    tune.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens generated per calibration prompt")
+    tune.add_argument("--draft-vocab-size", type=int, default=8192, help="the draft's LM-head rows: most frequent tokens (0 = all)")
+    tune.add_argument("--max-draft", type=_positive_int, default=8, help="upper bound of the searched chain length")
+    tune.add_argument("--out", default=None, help="skip-set file or directory (default: this model's entry in the selfspec cache, found automatically)")
+    tune.add_argument("--storage", default=None, help="Optuna journal file of the study (default: beside --out); rerun to resume")
+    tune.add_argument("--estimate-only", action="store_true", help="objective = stage-1 estimated speed-up, no timing (fast, deterministic)")
 
     tree = commands.add_parser("medusa-tree", help="rebuild a Medusa heads directory's tree from measured top-k accuracies")
     _add_model_args(tree)
@@ -169,6 +183,34 @@ def _train(args) -> None:
           f"report: {config.out}/training_report.json")
 
 
+def _tune(args) -> None:
+    from pathlib import Path
+
+    from .heads.layerskip import SKIP_FILE, user_skip_path
+    from .models import load_target
+    from .training.layerskip_search import TuneOptions, tune_layerskip
+
+    options = TuneOptions(
+        trials=args.trials, seed=args.seed, data=args.data, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        draft_vocab_size=args.draft_vocab_size, max_draft=args.max_draft, timing=not args.estimate_only,
+    )
+    if args.data != "sharegpt" and not Path(args.data).is_file():
+        from .errors import SelfspecError
+
+        raise SelfspecError(f"calibration data '{args.data}' does not exist: pass 'sharegpt' or a JSONL file")
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    out = user_skip_path(target) if args.out is None else Path(args.out)
+    out = out if out.suffix == ".json" else out / SKIP_FILE
+    storage = Path(args.storage) if args.storage else out.with_name(out.stem + ".study.log")
+    summary = tune_layerskip(target, options, storage, out, command="selfspec " + " ".join(sys.argv[1:]))
+    best, baseline = summary["best"], summary.get("baseline_every_other_layer") or {}
+    print(f"best of {summary['completed']} timed trials ({summary['pruned']} pruned): {best['value']} "
+          f"(baseline every-other-layer: {baseline.get('value', '-')}); plain decoding {summary.get('plain_tokens_per_s', '-')}")
+    print(f"skips attention {best['skip_attention']}, MLP {best['skip_mlp']}, threshold {best['threshold']}, "
+          f"max draft {best['max_draft']}")
+    print(f"written to {out}; study in {storage}")
+
+
 def _medusa_tree(args) -> None:
     from pathlib import Path
 
@@ -198,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         {
-            "generate": _generate, "profile": _profile, "bench": _bench, "train": _train, "medusa-tree": _medusa_tree,
+            "generate": _generate, "profile": _profile, "bench": _bench, "train": _train, "tune": _tune,
+            "medusa-tree": _medusa_tree,
             "drafters": _drafters,
         }[args.command](args)
     except SelfspecError as error:

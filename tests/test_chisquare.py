@@ -70,11 +70,12 @@ class BigramTreeDrafter(Drafter):
         pass
 
 
-def expected_joint(target) -> torch.Tensor:
+def expected_joint(target, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """[V, V]: the target's probability of each pair of next tokens after `prompt`, under SAMPLING."""
     with torch.inference_mode():
-        first = logits_to_probs(target.model(torch.tensor([PROMPT])).logits[0, -1], SAMPLING)
+        first = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1], SAMPLING)
         second = torch.stack(
-            [logits_to_probs(target.model(torch.tensor([PROMPT + [t]])).logits[0, -1], SAMPLING) for t in range(VOCAB)]
+            [logits_to_probs(target.model(torch.tensor([prompt + [t]])).logits[0, -1], SAMPLING) for t in range(VOCAB)]
         )
     return first[:, None] * second  # [V, V]
 

@@ -13,12 +13,11 @@ from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import save_head
-from selfspec.heads.eagle import EagleHead, best_size, grow_tree
-from selfspec.sampling import logits_to_probs
+from selfspec.heads.eagle import EagleHead, best_size, causal_block_mask, grow_tree
 from selfspec.training.config import EagleConfig
 
 from .conftest import CORE_FAMILIES, make_tiny_target
-from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value
+from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value, expected_joint
 from .test_greedy_equality import PROMPT, hf_greedy
 from .test_training import fake_sharegpt  # noqa: F401  (fixture)
 
@@ -120,17 +119,45 @@ def test_chi_square_with_eagle_trees(tmp_path):
     target._eos = ()
     drafter = create_drafter("eagle", target, random_eagle_dir(target, tmp_path / "h", top_k=2, depth=2), max_nodes=5)
     drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")
-    with torch.inference_mode():
-        first = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1], SAMPLING)
-        second = torch.stack(
-            [logits_to_probs(target.model(torch.tensor([prompt + [t]])).logits[0, -1], SAMPLING) for t in range(VOCAB)]
-        )
     counts = torch.zeros(VOCAB, VOCAB)
     for seed in range(20_000):
         tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 2, SAMPLING, seed=seed)
         assert stats.tree_sizes[0] > 1
         counts[tokens[0], tokens[1]] += 1
-    assert chi_square_p_value(counts, first[:, None] * second) > 1e-3
+    assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_unrolled_training_sees_what_drafting_sees(family):
+    """Step s of the unrolled training (EAGLE-3's training-time test) equals drafting s levels deep from a committed
+    prefix: the same pairs, positions and visible keys."""
+    from transformers import DynamicCache
+
+    from selfspec.training.eagle import EagleTraining, unrolled_mask
+
+    target = make_tiny_target(family)
+    config = EagleConfig(draft_vocab_size=0, feature_noise=0.0, unroll_steps=3)
+    torch.manual_seed(0)
+    head = EagleHead(config, target, torch.arange(target.vocab_size)).eval()
+    for parameter in head.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    rows, hidden_size = 7, target.config.hidden_size
+    features = torch.randn(1, rows, hidden_size)
+    input_ids = torch.randint(0, target.vocab_size, (1, rows + 1))
+    with torch.no_grad():
+        unrolled = list(EagleTraining(head, config).unroll(features, input_ids, 3))
+        for t in range(rows - 2):
+            cache = DynamicCache()
+            positions = torch.arange(1, t + 2).view(1, -1)
+            step_output = head(features[:, : t + 1], input_ids[:, 1 : t + 2], positions, causal_block_mask(0, t + 1, torch.float32, "cpu"), cache)[:, -1:]
+            torch.testing.assert_close(step_output[0, 0], unrolled[0][0, t], atol=1e-5, rtol=1e-5)
+            for step in (1, 2):
+                token = input_ids[:, t + 1 + step : t + 2 + step]
+                position = torch.tensor([[t + 1 + step]])
+                step_output = head(step_output, token, position, causal_block_mask(t + step, 1, torch.float32, "cpu"), cache)
+                torch.testing.assert_close(step_output[0, 0], unrolled[step][0, t], atol=1e-5, rtol=1e-5)
+    visible = unrolled_mask(3, 2, torch.float32, "cpu")[0, 0] == 0
+    assert visible.int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
 
 
 def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
@@ -154,6 +181,11 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
     with torch.no_grad():
         after, metrics = module.training_loss(batch)
     assert after.item() < 0.7 * before and set(metrics) == {"top1", "feat"}
+    unrolled = EagleTraining(module.head, EagleConfig(feature_noise=0.0, unroll_steps=3))
+    loss, metrics = unrolled.training_loss(batch)
+    assert torch.isfinite(loss) and set(metrics) == {"top1", "top1@2", "top1@3", "feat"}
+    loss.backward()
+    assert module.head.fc.weight.grad is not None
 
     recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="eagle", eagle=EagleConfig(draft_vocab_size=16, top_k=2, depth=3))
     report = run_recipe(recipe)

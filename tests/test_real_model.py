@@ -33,17 +33,28 @@ def test_default_model_greedy_matches_hf_generate(specs, prompt):
     assert result.text.strip()
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+# drafter -> (options for a fixed budget, the aggregate mean accepted length it must beat)
+SHIPPED = {
+    "medusa": ({"max_nodes": 16}, 1.3),
+    "eagle": ({"fixed_nodes": 16}, 1.3),
+    "layerskip": ({"adaptive": False}, 1.5),
+    "dflash": ({"fixed_nodes": 16}, 1.05),  # a short CPU training run: its drafts are accepted, rarely
+}
+
+
+@pytest.mark.parametrize("drafter", list(SHIPPED))
 def test_shipped_heads_greedy_match_hf_generate(specs, drafter):
-    """The heads in the repository attach to the default model with no flags, stay small, and stay lossless."""
+    """The heads (or tuned data) in the repository attach to the default model with no flags, stay small, and stay
+    lossless."""
     from selfspec.heads.artifacts import SHIPPED_DIR
 
     ngram, _ = specs
     shipped = SHIPPED_DIR / f"{drafter}-smollm2"
     assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < 30 * 2**20
     assert SelfSpec(ngram.target, drafter=drafter).drafter.target is ngram.target  # found with no flags
-    # A fixed 16-node tree: the default size follows this machine's stored cost curve, which varies.
-    spec = SelfSpec(ngram.target, drafter=drafter, **{"max_nodes" if drafter == "medusa" else "fixed_nodes": 16})
+    # A fixed budget: the default size follows this machine's stored cost curve, which varies.
+    options, floor = SHIPPED[drafter]
+    spec = SelfSpec(ngram.target, drafter=drafter, **options)
     accepted = forwards = 0
     for prompt in PROMPTS:
         ids = ngram.target.encode_prompt(prompt)
@@ -53,4 +64,4 @@ def test_shipped_heads_greedy_match_hf_generate(specs, drafter):
         assert list(result.token_ids) == reference
         accepted += result.stats.new_tokens
         forwards += result.stats.target_forwards
-    assert accepted / forwards > 1.3  # trained heads: drafts are accepted
+    assert accepted / forwards > floor  # drafts are accepted

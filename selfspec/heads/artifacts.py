@@ -56,6 +56,8 @@ def save_head(
         if write_adapter is not None:
             write_adapter(temp / ADAPTER)
         temp.chmod(0o755)  # mkdtemp makes a private directory; a heads directory is an ordinary output
+        for written in (temp / CONFIG, temp / WEIGHTS):
+            written.chmod(0o644)
         if directory.exists():
             backup = directory.with_name(f".{directory.name}.old")
             shutil.rmtree(backup, ignore_errors=True)
@@ -114,6 +116,19 @@ def load_state_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], w
             f"wrong shape {wrong[:3]})"
         )
     module.load_state_dict(state, strict=True)
+
+
+def load_vocab_head(target: Target, heads_dir: Path | None, drafter: str, config_cls, head_cls) -> torch.nn.Module:
+    """Find (or take) a heads directory, check it, and build `head_cls(config, target, draft_vocab)` with its weights
+    loaded strictly, in the target's dtype (EAGLE, DFlash: heads over a reduced draft vocabulary)."""
+    heads_dir = heads_dir or find_shipped_head(target, drafter, config_cls)
+    artifact = load_head(heads_dir, drafter, config_cls, target)
+    draft_vocab = artifact.state.get("draft_vocab")
+    if draft_vocab is None or draft_vocab.dim() != 1 or int(draft_vocab.max()) >= target.vocab_size:
+        raise SelfspecError(f"'{heads_dir}': missing or invalid draft_vocab")
+    head = head_cls(artifact.config, target, draft_vocab)
+    load_state_strict(head, artifact.state, heads_dir)
+    return head.to(target.dtype)
 
 
 def find_shipped_head(target: Target, drafter: str, config_cls) -> Path:

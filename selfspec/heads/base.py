@@ -94,7 +94,7 @@ def drafter_names() -> list[str]:
 def create_drafter(name: str, target: Target, heads_dir: str | Path | None = None, **options) -> Drafter:
     if name not in _REGISTRY:
         raise SelfspecError(f"unknown drafter '{name}': choose one of {', '.join(drafter_names())}")
-    if heads_dir is not None and not Path(heads_dir).is_dir():
+    if heads_dir is not None and not Path(heads_dir).exists():  # a directory, or a file for tuned data (layerskip)
         raise SelfspecError(f"heads directory '{heads_dir}' does not exist")
     cost_curve = load_cost_curve(target.device, target.name)
     return _REGISTRY[name].load(target, None if heads_dir is None else Path(heads_dir), cost_curve, **options)

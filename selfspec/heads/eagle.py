@@ -25,8 +25,8 @@ from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
 from ..training.config import EagleConfig
-from ..tree_attention import DraftTree
-from .artifacts import find_shipped_head, load_head, load_state_strict
+from ..tree_attention import DraftTree, causal_block_mask, trim_cache
+from .artifacts import load_vocab_head
 from .base import DraftRequest, Drafter, Observation, register_drafter
 
 
@@ -138,21 +138,6 @@ def best_size(sorted_scores: list[float], cost_curve: CostCurve, max_nodes: int)
     return best_n
 
 
-def causal_block_mask(cached: int, new: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[1, 1, new, cached + new] additive: each new position sees the cache, the new ones before it and itself."""
-    mask = torch.zeros(new, cached + new, dtype=dtype, device=device)
-    future = torch.ones(new, new, dtype=torch.bool, device=device).triu(1)
-    mask[:, cached:].masked_fill_(future, torch.finfo(dtype).min)
-    return mask.view(1, 1, new, cached + new)
-
-
-def trim_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions of every layer (drop drafted pairs)."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
-
-
 @register_drafter("eagle")
 class EagleDrafter(Drafter):
     hidden_layers = (-1,)
@@ -173,12 +158,9 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, **options) -> "EagleDrafter":
-        heads_dir = heads_dir or find_shipped_head(target, "eagle", EagleConfig)
-        artifact = load_head(heads_dir, "eagle", EagleConfig, target)
-        head = EagleHead(artifact.config, target, read_draft_vocab(artifact.state, target, heads_dir))
-        load_state_strict(head, artifact.state, heads_dir)
+        head = load_vocab_head(target, heads_dir, "eagle", EagleConfig, EagleHead)
         try:
-            return cls(target, cost_curve, head.to(target.dtype), **options)
+            return cls(target, cost_curve, head, **options)
         except TypeError as error:
             raise SelfspecError(f"bad option for drafter 'eagle': {error}") from None
 
@@ -253,10 +235,3 @@ class EagleDrafter(Drafter):
         target_ids = self.head.draft_vocab[torch.tensor(tokens, device=device)]
         root = torch.tensor([request.root_token], device=device)
         return DraftTree(tokens=torch.cat([root, target_ids]).long(), parents=torch.tensor([-1] + [p + 1 for p in parents]))
-
-
-def read_draft_vocab(state: dict[str, torch.Tensor], target: Target, heads_dir: Path) -> torch.Tensor:
-    draft_vocab = state.get("draft_vocab")
-    if draft_vocab is None or draft_vocab.dim() != 1 or int(draft_vocab.max()) >= target.vocab_size:
-        raise SelfspecError(f"'{heads_dir}': missing or invalid draft_vocab")
-    return draft_vocab

@@ -79,9 +79,35 @@ class EagleConfig:
     feature_noise: float = 0.1  # training: uniform noise U(-a, a) on input features, so the head copes with its own
     hidden_weight: float = 1.0  # smooth-L1 on the predicted next feature
     token_weight: float = 0.1  # cross-entropy against the target's next-token distribution
+    unroll_steps: int = 1  # training: draft steps per position, steps after the first fed the head's own features
     top_k: int = 8  # children per expanded node, and frontier nodes expanded per depth
     depth: int = 6  # deepest draft level
     max_tree_nodes: int = 60  # upper bound; the size used follows the cost curve and the draft's confidence
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    block_size: int = 16  # B: the last committed token, then B - 1 masked positions drafted in one pass
+    num_layers: int = 1  # bidirectional drafter layers, of the base architecture's decoder-layer class
+    feature_layers: tuple[int, ...] = ()  # target hidden_states indices it is conditioned on; () = 4 spread over the depth
+    draft_vocab_size: int = 8192  # the most frequent target tokens in the training labels; 0 = full vocabulary
+    loss_decay: float = 0.8  # training: the loss weight of block position i is decay**(i - 1)
+    anchors_per_sequence: int = 8  # training: random block starts per sequence and step
+    top_k: int = 4  # drafting: candidate tokens per block position
+    max_tree_nodes: int = 32  # upper bound; the size used follows the cost curve and the draft's confidence
+
+
+@dataclass(frozen=True)
+class LayerSkipSettings:
+    """A layer-skip draft: which sublayers it skips (layer indices) and how far it drafts."""
+
+    skip_attention: tuple[int, ...] = ()
+    skip_mlp: tuple[int, ...] = ()
+    threshold: float = 0.5  # stop drafting where the draft's top-1 probability falls below this (adapted at run time)
+    max_draft: int = 4  # longest chain
+    branch_threshold: float = 0.0  # below this top-1 probability, also propose the top-2 token (a leaf); 0 = never
+    target_acceptance: float = 0.7  # the adaptive threshold steers the recent acceptance rate towards this
+    adapt_step: float = 0.02  # threshold change per step
 
 
 @dataclass(frozen=True)
@@ -96,6 +122,7 @@ class RecipeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
 
     @property
     def work_path(self) -> Path:

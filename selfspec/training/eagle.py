@@ -1,6 +1,7 @@
 """EAGLE training: from pair (feature t, token t + 1) predict feature t + 1 (smooth L1) and, through the target's
 frozen LM head, the target's distribution at t + 1 (soft cross-entropy against its top-k), with uniform noise on
-the input features so the head tolerates its own imperfect features when it drafts several steps ahead."""
+the input features so the head tolerates its own imperfect features when it drafts several steps ahead; optionally
+unrolled over several draft steps on its own features (EAGLE-3's training-time test)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from ..errors import SelfspecError
 from ..heads.artifacts import save_head
-from ..heads.eagle import EagleHead, causal_block_mask
+from ..heads.eagle import EagleHead
 from ..models import Target
 from .config import EagleConfig, RecipeConfig
 from .losses import draft_vocabulary, soft_cross_entropy
@@ -21,35 +23,69 @@ LAYERS = (-1,)
 
 
 class EagleTraining(TrainableHead):
+    """Step 0 is teacher-forced: pair t = (the target's feature t, token t + 1). With `unroll_steps` U > 1 the head
+    then drafts on as it does at decoding time (EAGLE-3's training-time test): at step s, row t holds the pair
+    (the head's own step s - 1 prediction of feature t + s, token t + s + 1) at position t + s + 1, attending to
+    the teacher-forced pairs 0..t and to row t of every earlier step, exactly the keys a depth-s draft node sees."""
+
     def __init__(self, head: EagleHead, config: EagleConfig):
         super().__init__()
+        if config.unroll_steps < 1:
+            raise SelfspecError(f"eagle.unroll_steps must be >= 1, got {config.unroll_steps}")
         self.head = head
         self.config = config
 
     def training_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = batch.hidden[-1]  # [B, L, H] the target's LM-head inputs
-        length = hidden.shape[1]
-        if length < 3:
-            zero = self.head.fc.weight.sum() * 0.0
-            return zero, {}
-        features = hidden[:, :-1]  # feature t, t = 0 .. L - 2
+        rows = hidden.shape[1] - 1  # pairs t = 0 .. L - 2
+        steps = min(self.config.unroll_steps, rows - 1)
+        if steps < 1:
+            return self.head.fc.weight.sum() * 0.0, {}
+        features = hidden[:, :-1]  # step 0: feature t
         if self.training and self.config.feature_noise > 0:
             features = features + (torch.rand_like(features) * 2 - 1) * self.config.feature_noise
-        tokens = batch.input_ids[:, 1:]  # token t + 1
-        positions = torch.arange(1, length, device=hidden.device).expand(hidden.shape[0], -1)
-        mask = causal_block_mask(0, length - 1, features.dtype, hidden.device)
-        predicted = self.head(features, tokens, positions, mask)  # [B, L - 1, H]: feature t + 1
-        # Learn where token t + 2 exists and is learnable (the next-token label sits at position t + 1).
-        learnable = torch.zeros_like(batch.loss_mask[:, 1:])
-        learnable[:, :-1] = batch.loss_mask[:, 2:] & batch.valid[:, 2:]
-        chosen = predicted[learnable]
-        hidden_loss = torch.nn.functional.smooth_l1_loss(chosen, hidden[:, 1:][learnable])
-        token_loss, _, agreement = soft_cross_entropy(
-            self.head.draft_logits(chosen), batch.topk_ids[:, 1:][learnable], batch.topk_probs[:, 1:][learnable],
-            self.head.target_to_draft,
-        )
-        loss = self.config.hidden_weight * hidden_loss + self.config.token_weight * token_loss
-        return loss, {"top1": agreement, "feat": float(hidden_loss.detach())}
+        total, metrics = 0.0, {}
+        for step, predicted in enumerate(self.unroll(features, batch.input_ids, steps)):
+            # Learn where the label (feature and distribution at t + s + 1) exists and token t + s + 2 is learnable.
+            learnable = torch.zeros_like(batch.loss_mask[:, 1:])
+            learnable[:, : rows - 1 - step] = batch.loss_mask[:, 2 + step :] & batch.valid[:, 2 + step :]
+            chosen = predicted[learnable]
+            labelled = learnable[:, : rows - step]  # the same rows, indexing labels from position s + 1
+            hidden_loss = torch.nn.functional.smooth_l1_loss(chosen, hidden[:, 1 + step :][labelled])
+            token_loss, _, agreement = soft_cross_entropy(
+                self.head.draft_logits(chosen), batch.topk_ids[:, 1 + step :][labelled],
+                batch.topk_probs[:, 1 + step :][labelled], self.head.target_to_draft,
+            )
+            total = total + self.config.hidden_weight * hidden_loss + self.config.token_weight * token_loss
+            metrics["top1" if step == 0 else f"top1@{step + 1}"] = agreement
+            if step == 0:
+                metrics["feat"] = float(hidden_loss.detach())
+        return total / steps, metrics
+
+    def unroll(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int):
+        """features [B, N, H] (step 0's, feature t), input_ids [B, N + 1] -> yields each step's predicted features
+        [B, N, H]: row t of step s predicts feature t + s + 1."""
+        rows = features.shape[1]
+        cache = DynamicCache()
+        for step in range(steps):
+            # Row t at step s: token t + s + 1 at position t + s + 1 (rows past the sequence's end hold padding).
+            tokens = torch.zeros_like(input_ids[:, 1:])
+            tokens[:, : rows - step] = input_ids[:, 1 + step :]
+            positions = torch.arange(1 + step, rows + 1 + step, device=features.device).expand(features.shape[0], -1)
+            predicted = self.head(features, tokens, positions, unrolled_mask(rows, step, features.dtype, features.device), cache)
+            yield predicted
+            features = predicted  # the next step reads the head's own features
+
+
+def unrolled_mask(rows: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, rows, (step + 1) * rows] additive: row t sees step-0 keys 0..t and its own row of steps 1..step."""
+    allowed = torch.zeros(rows, (step + 1) * rows, dtype=torch.bool, device=device)
+    allowed[:, :rows] = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    diagonal = torch.arange(rows, device=device)
+    for earlier in range(1, step + 1):
+        allowed[diagonal, earlier * rows + diagonal] = True
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.view(1, 1, rows, (step + 1) * rows)
 
 
 def train_eagle(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:

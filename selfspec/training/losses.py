@@ -12,11 +12,16 @@ from .labels import LabeledSequence
 def draft_vocabulary(sequences: list[LabeledSequence], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` target tokens most often chosen by the target (top-1 at learnable positions), ascending ids.
     size 0 (or >= vocab) means the whole vocabulary."""
-    if size <= 0 or size >= vocab_size:
-        return torch.arange(vocab_size)
     counts: Counter = Counter()
     for sequence in sequences:
         counts.update(sequence.topk_ids[:, 0].tolist())
+    return most_frequent(counts, size, vocab_size)
+
+
+def most_frequent(counts: Counter, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most counted token ids, ascending; size 0 (or >= vocab) means the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
     chosen = [token for token, _ in counts.most_common(size)]
     if len(chosen) < size:  # little data: fill with the lowest unused ids, so the size is what the config says
         used = set(chosen)

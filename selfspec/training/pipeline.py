@@ -128,10 +128,11 @@ def write_report(heads_dir: Path, report: dict) -> None:
 
 def run_recipe(config: RecipeConfig, resume: bool = False, max_steps: int | None = None) -> dict:
     """Run a whole training recipe; returns the report that is also written beside the weights."""
+    from .dflash import train_dflash
     from .eagle import train_eagle
     from .medusa_recipe import train_medusa
 
-    recipes = {"medusa": train_medusa, "eagle": train_eagle}
+    recipes = {"medusa": train_medusa, "eagle": train_eagle, "dflash": train_dflash}
     if config.drafter not in recipes:
         raise SelfspecError(f"no training recipe for drafter '{config.drafter}': choose one of {', '.join(recipes)}")
 

@@ -1,8 +1,8 @@
 """The tree as data, its mask and positions, the target forward over it, the verifier and KV-cache compaction."""
 
-from .cache import compact_cache
+from .cache import compact_cache, trim_cache
 from .forward import ForwardOutput, chunk_forward, tree_forward
-from .inputs import TreeInputs, ancestor_matrix, build_tree_inputs
+from .inputs import TreeInputs, ancestor_matrix, build_tree_inputs, causal_block_mask
 from .tree import DraftTree
 from .verifier import VerifyResult, verify
 
@@ -13,8 +13,10 @@ __all__ = [
     "VerifyResult",
     "ancestor_matrix",
     "build_tree_inputs",
+    "causal_block_mask",
     "chunk_forward",
     "compact_cache",
     "tree_forward",
+    "trim_cache",
     "verify",
 ]

@@ -34,3 +34,10 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
             layer.values = layer.values.index_select(-2, keep)
         if hasattr(layer, "cumulative_length"):  # sliding-window layers count the positions they have seen
             layer.cumulative_length -= n_nodes - kept
+
+
+def trim_cache(cache: Cache, length: int) -> None:
+    """Keep the first `length` positions of every layer that holds any (a drafter's own cache after a proposal)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]

@@ -59,3 +59,11 @@ def build_tree_inputs(
         attention_mask=mask,
         prefix_len=prefix_len,
     )
+
+
+def causal_block_mask(cached: int, new: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, new, cached + new] additive: each new position sees the cache, the new ones before it and itself."""
+    mask = torch.zeros(new, cached + new, dtype=dtype, device=device)
+    future = torch.ones(new, new, dtype=torch.bool, device=device).triu(1)
+    mask[:, cached:].masked_fill_(future, torch.finfo(dtype).min)
+    return mask.view(1, 1, new, cached + new)

@@ -1,0 +1,136 @@
+"""DFlash training: random anchor positions per sequence, each opening a block (the anchor's token, then B - 1 mask
+positions) conditioned on the target's features of the positions before the anchor; block position i learns the
+target's distribution for token anchor + i (soft cross-entropy against its top-k), weighted by decay**(i - 1).
+
+All blocks of a sequence train in one forward: the sequence's context rows come first, then the blocks; block j
+sees the context rows before its anchor and its own block, exactly what it sees when drafting.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import SelfspecError
+from ..heads.artifacts import save_head
+from ..heads.dflash import DFlashHead, resolve_feature_layers
+from ..models import Target
+from .config import DFlashConfig, RecipeConfig
+from .losses import draft_vocabulary
+from .trainer import Batch, TrainableHead, train
+
+METRIC_POSITIONS = (1, 2, 4, 8)  # block positions whose top-1 agreement the progress bar shows
+
+
+class DFlashTraining(TrainableHead):
+    def __init__(self, head: DFlashHead, config: DFlashConfig):
+        super().__init__()
+        if config.anchors_per_sequence < 1 or not 0 < config.loss_decay <= 1:
+            raise SelfspecError("dflash: anchors_per_sequence must be >= 1 and loss_decay in (0, 1]")
+        self.head = head
+        self.config = config
+
+    def training_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        head, block = self.head, self.config.block_size
+        features = torch.cat([batch.hidden[layer] for layer in head.feature_layers], dim=-1)  # [b, L, F]
+        count, length = batch.input_ids.shape
+        anchors = sample_anchors(batch.valid, batch.loss_mask, self.config.anchors_per_sequence)  # [b, A]
+        blocks = anchors.shape[1]
+        context = head.context(features)  # [b, L, H]
+        inputs = head.block_inputs(batch.input_ids.gather(1, anchors).view(-1)).view(count, blocks * block, -1)
+        offsets = torch.arange(block, device=anchors.device)
+        positions = torch.cat([
+            torch.arange(length, device=anchors.device).expand(count, -1),
+            (anchors.unsqueeze(-1) + offsets).view(count, -1),
+        ], dim=1)
+        mask = training_mask(anchors, length, block, context.dtype)
+        outputs = head(context, inputs, positions, mask).view(count, blocks, block, -1)[:, :, 1:]  # [b, A, B-1, H]
+        # Block position i (1..B-1) predicts token anchor + i: the target's distribution after position anchor + i - 1.
+        label_at = anchors.unsqueeze(-1) + offsets[:-1]  # [b, A, B-1]
+        predicted = (label_at + 1).clamp(max=length - 1)
+        usable = (label_at + 1 < length) & batch.valid.gather(1, predicted.view(count, -1)).view_as(label_at)
+        usable &= batch.loss_mask.gather(1, predicted.view(count, -1)).view_as(label_at)
+        flat = label_at.clamp(max=length - 1).view(count, -1, 1)
+        topk = batch.topk_ids.shape[-1]
+        ids = batch.topk_ids.gather(1, flat.expand(-1, -1, topk)).view(*label_at.shape, topk)
+        probs = batch.topk_probs.gather(1, flat.expand(-1, -1, topk)).view(*label_at.shape, topk)
+        logits = head.draft_logits(outputs)  # [b, A, B-1, V_draft]
+        per_row, agree, keep = soft_ce_rows(logits, ids, probs, head.target_to_draft)
+        keep &= usable
+        weights = self.config.loss_decay ** offsets[:-1].to(logits.dtype)  # [B-1]
+        weighted = keep * weights
+        loss = (per_row * weighted).sum() / weighted.sum().clamp(min=1e-9)
+        metrics = {}
+        for position in METRIC_POSITIONS:
+            if position < block:
+                chosen = keep[..., position - 1]
+                metrics[f"top1@{position}"] = float(agree[..., position - 1][chosen].float().mean()) if chosen.any() else 0.0
+        return loss, metrics
+
+
+def soft_ce_rows(logits, ids, probs, to_draft):
+    """Per-row soft cross-entropy against the target's top-k, renormalised within the draft vocabulary ->
+    (loss [...], top-1 agreement [...] bool, rows with any label mass inside the draft vocabulary [...] bool)."""
+    draft_ids = to_draft[ids]  # [..., k], -1 outside the draft vocabulary
+    weights = probs.float() * (draft_ids >= 0)
+    mass = weights.sum(-1)
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_ids.clamp(min=0))
+    per_row = -(weights * log_probs).sum(-1) / mass.clamp(min=1e-9)
+    return per_row, logits.argmax(-1) == draft_ids[..., 0], mass > 0
+
+
+def sample_anchors(valid: torch.Tensor, loss_mask: torch.Tensor, count: int) -> torch.Tensor:
+    """[b, count] anchor positions a per sequence with a >= 1, a + 1 a real, learnable token (drawn with
+    replacement, uniformly); a sequence without one gets anchors at 0, whose rows the loss then ignores."""
+    candidates = torch.zeros_like(valid, dtype=torch.float32)
+    candidates[:, 1:-1] = (valid[:, 2:] & loss_mask[:, 2:]).float()
+    empty = candidates.sum(-1) == 0
+    candidates[empty, 0] = 1.0
+    return torch.multinomial(candidates, count, replacement=True)
+
+
+def training_mask(anchors: torch.Tensor, length: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """[b, 1, L + A*B, L + A*B] additive. Context rows: causal (their outputs are never read). Block j's rows: the
+    context rows before anchor j, and the whole of block j (bidirectional)."""
+    count, blocks = anchors.shape
+    device = anchors.device
+    size = length + blocks * block
+    allowed = torch.zeros(count, size, size, dtype=torch.bool, device=device)
+    allowed[:, :length, :length] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    sees_context = torch.arange(length, device=device).view(1, 1, -1) < anchors.unsqueeze(-1)  # [b, A, L]
+    allowed[:, length:, :length] = sees_context.repeat_interleave(block, dim=1)
+    block_of = torch.arange(blocks * block, device=device) // block
+    allowed[:, length:, length:] = block_of.view(-1, 1) == block_of.view(1, -1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
+
+
+def train_dflash(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
+    from .pipeline import checkpoint_dir, recipe_data
+
+    dflash = config.dflash
+    layers = resolve_feature_layers(dflash, target.config.num_hidden_layers)
+    dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers})  # stored resolved, so loading needs no rule
+    data = recipe_data(target, config, layers, timings)
+    train_data = data.train
+    draft_vocab = draft_vocabulary(train_data.sample, dflash.draft_vocab_size, target.vocab_size)
+    head = DFlashHead(dflash, target, draft_vocab).float()
+    head.init_from_target(target)
+    module = DFlashTraining(head, dflash)
+    began = time.perf_counter()
+    summary = train(module, train_data.count, train_data.get, config.train, checkpoint_dir(config), resume, max_steps)
+    timings["train_s"] = round(time.perf_counter() - began, 1)
+    save_head(Path(config.out), "dflash", dflash, head.state_dict(), target.fingerprint, {})
+    return {
+        "drafter": "dflash",
+        "training_sequences": train_data.count,
+        "calibration_sequences_unused": len(data.calibration_examples),
+        "feature_layers": list(layers),
+        "draft_vocab_size": len(draft_vocab),
+        "steps": summary.steps,
+        "resumed_from": summary.resumed_from,
+        "final_loss": round(summary.final_loss, 4),
+        "final_metrics": {k: round(v, 4) for k, v in summary.final_metrics.items()},
+    }

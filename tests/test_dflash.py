@@ -1,0 +1,209 @@
+"""DFlash: block construction and masks, the tree from block marginals on hand-made distributions, training seeing
+what drafting sees, save/load and the wrong-base error, and losslessness (greedy equality, chi-square) with DFlash
+trees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from selfspec.cost import CostCurve
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter
+from selfspec.heads.artifacts import save_head
+from selfspec.heads.dflash import DFlashHead, block_mask, block_tree, spread_layers
+from selfspec.training.config import DFlashConfig
+from selfspec.training.dflash import DFlashTraining, sample_anchors, training_mask
+
+from .conftest import CORE_FAMILIES, make_tiny_target
+from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value, expected_joint
+from .test_greedy_equality import PROMPT, hf_greedy
+from .test_training import fake_sharegpt  # noqa: F401  (fixture)
+
+
+def random_dflash_dir(target, directory, draft_vocab=None, seed=0, **config):
+    config = DFlashConfig(**{"block_size": 4, "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
+                             "top_k": 3, "max_tree_nodes": 10, **config})
+    torch.manual_seed(seed)
+    head = DFlashHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
+    for name, parameter in head.named_parameters():
+        if parameter.dim() > 1:
+            torch.nn.init.normal_(parameter, std=0.3)
+    config = DFlashConfig(**{**config.__dict__, "feature_layers": head.feature_layers})
+    return save_head(directory, "dflash", config, head.state_dict(), target.fingerprint, {})
+
+
+def visible(mask):
+    return (mask[0, 0] == 0).int().tolist()
+
+
+def test_spread_layers_and_masks():
+    assert spread_layers(30) == (8, 15, 22, 30) and spread_layers(2) == (1, 2)
+    # 1 cached context row, 2 new context rows, a block of 3: context rows causal, block rows see everything.
+    assert visible(block_mask(1, 2, 3, torch.float32, "cpu")) == [
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1],
+    ]
+    # Training: 3 context rows, blocks of 2 anchored at 1 and 2: block j sees context rows < anchor j and itself.
+    assert visible(training_mask(torch.tensor([[1, 2]]), 3, 2, torch.float32)) == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 0, 0, 1, 1, 0, 0],
+        [1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 1, 1],
+        [1, 1, 0, 0, 0, 1, 1],
+    ]
+    anchors = sample_anchors(torch.tensor([[True] * 6, [True] * 3 + [False] * 3]),
+                             torch.tensor([[False, False, False, True, True, False], [True] * 6]), 50)
+    assert set(anchors[0].tolist()) == {2, 3} and set(anchors[1].tolist()) == {1}
+
+
+def log_probs(*rows):
+    return torch.tensor(rows).log()
+
+
+def test_block_tree_is_best_first_over_marginals():
+    # Depth 1: tokens 0 (.6), 1 (.3); depth 2: tokens 2 (.5), 0 (.4). Paths score by the product of marginals.
+    marginals = log_probs([0.6, 0.3, 0.1], [0.4, 0.1, 0.5])
+    seen = []
+    tokens, parents = block_tree(marginals, top_k=2, max_nodes=6, size_for=lambda scores: seen.append(scores) or 6)
+    # Paths (by token): 0 = .6, then 0-2 = .30 and 1 = .3 (a tie: the lower ranks first), 0-0 = .24, 1-2 = .15.
+    assert [round(math.exp(s), 3) for s in seen[0]] == [0.6, 0.3, 0.3, 0.24, 0.15]
+    assert tokens == [0, 2, 1, 0, 2] and parents == [-1, 0, -1, 0, 2]
+    tokens, parents = block_tree(marginals, 2, 6, lambda scores: 3)  # root + 2 best
+    assert tokens == [0, 2] and parents == [-1, 0]
+    assert block_tree(marginals[:0], 2, 6, lambda scores: 6) == ([], [])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_training_blocks_see_what_drafting_sees(family, tmp_path):
+    """A training block anchored at a equals the drafter's block for root token a after committing tokens 0..a-1."""
+    target = make_tiny_target(family, num_hidden_layers=3)
+    config = DFlashConfig(block_size=4, draft_vocab_size=0, anchors_per_sequence=2, loss_decay=1.0)
+    head = DFlashHead(config, target, torch.arange(target.vocab_size))
+    for parameter in head.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        hidden = target.model(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[layer][0] for layer in head.feature_layers], -1)
+    anchor = 6
+    # Training view: context = all rows, block anchored at `anchor`.
+    length = ids.shape[1]
+    inputs = head.block_inputs(ids[0, [anchor]]).view(1, 4, -1)
+    positions = torch.cat([torch.arange(length), anchor + torch.arange(4)]).view(1, -1)
+    with torch.no_grad():
+        trained = head(head.context(features).unsqueeze(0), inputs, positions, training_mask(torch.tensor([[anchor]]), length, 4, torch.float32))
+        # Drafting view: context rows 0..anchor-1 cached in two pieces, then the block.
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        head(head.context(features[:3]).unsqueeze(0), inputs, torch.cat([torch.arange(3), 3 + torch.arange(4)]).view(1, -1),
+             block_mask(0, 3, 4, torch.float32, "cpu"), cache)
+        from selfspec.tree_attention import trim_cache
+
+        trim_cache(cache, 3)
+        drafted = head(head.context(features[3:anchor]).unsqueeze(0), inputs,
+                       torch.cat([torch.arange(3, anchor), anchor + torch.arange(4)]).view(1, -1),
+                       block_mask(3, anchor - 3, 4, torch.float32, "cpu"), cache)
+    torch.testing.assert_close(trained, drafted, atol=1e-5, rtol=1e-4)
+
+
+def test_wrong_base_round_trip_and_drafter(tmp_path):
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    directory = random_dflash_dir(target, tmp_path / "d", draft_vocab=torch.arange(0, target.vocab_size, 2))
+    drafter = create_drafter("dflash", target, directory)
+    assert drafter.hidden_layers == (1, 2, 3) and len(drafter.head.draft_vocab) == target.vocab_size // 2
+    with pytest.raises(SelfspecError, match="trained for another base model"):
+        create_drafter("dflash", make_tiny_target("llama", num_hidden_layers=2), directory)
+    with pytest.raises(SelfspecError, match="'dflash' heads, not 'eagle'"):
+        create_drafter("eagle", target, directory)
+    with pytest.raises(SelfspecError, match="no shipped 'dflash' heads match"):
+        create_drafter("dflash", target)
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_greedy_equality_with_dflash_trees(family, tmp_path):
+    target = make_tiny_target(family)
+    target.model.generation_config.eos_token_id = None
+    target._eos = ()
+    reference = hf_greedy(target, PROMPT, 30, eos=-1)
+    for name, vocab in {"full": None, "reduced": torch.arange(0, target.vocab_size, 2)}.items():
+        directory = random_dflash_dir(target, tmp_path / name, draft_vocab=vocab)
+        for nodes in (None, 2, 10):
+            drafter = create_drafter("dflash", target, directory, **({} if nodes is None else {"max_nodes": nodes}))
+            drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")  # free trees: the largest ones get verified
+            tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
+            assert list(tokens) == reference, f"{family}/{name}/{nodes}"
+            assert max(stats.tree_sizes) == (nodes or 10)
+
+
+def test_chi_square_with_dflash_trees(tmp_path):
+    prompt = [3, 5]
+    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=1)
+    target._eos = ()
+    drafter = create_drafter("dflash", target, random_dflash_dir(target, tmp_path / "h", top_k=2, block_size=3), max_nodes=5)
+    drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")
+    counts = torch.zeros(VOCAB, VOCAB)
+    for seed in range(8_000):
+        tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 2, SAMPLING, seed=seed)
+        assert stats.tree_sizes[0] == 3  # depth 1 (max_new_tokens 2): the root and its two best children
+        counts[tokens[0], tokens[1]] += 1
+    assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
+
+
+def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
+    import json
+
+    from selfspec.training.config import TrainConfig
+    from selfspec.training.pipeline import run_recipe
+    from selfspec.training.trainer import collate, train
+
+    from .test_training import tiny_recipe
+
+    import random
+
+    from selfspec.models import load_target
+    from selfspec.training.data import tokenize_conversation
+    from selfspec.training.labels import label_sequence
+    from selfspec.training.sharegpt import Conversation
+
+    from .conftest import WORDS
+
+    target = load_target(str(tiny_checkpoint))
+    config = DFlashConfig(block_size=4, draft_vocab_size=0, anchors_per_sequence=4)
+    head = DFlashHead(config, target, torch.arange(target.vocab_size))
+    head.init_from_target(target)
+    rng = random.Random(1)
+    sequences = []
+    for index in range(16):
+        conversation = Conversation(str(index), (
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
+            {"role": "assistant", "content": " ".join(rng.choice(WORDS[:6]) for _ in range(12))},
+        ))
+        sequences.append(label_sequence(target, tokenize_conversation(target, conversation, 64), head.feature_layers, 4))
+    module = DFlashTraining(head, config)
+    batch = collate(sequences, torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        before = module.training_loss(batch)[0].item()
+    train(module, len(sequences), sequences.__getitem__,
+          TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40, checkpoint_every=100, log_every=5), tmp_path / "ckpt")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        after, metrics = module.training_loss(batch)
+    assert after.item() < 0.8 * before and set(metrics) == {"top1@1", "top1@2"}
+    recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="dflash", out=str(tmp_path / "dflash"),
+                         dflash=DFlashConfig(block_size=4, draft_vocab_size=16, top_k=2))
+    report = run_recipe(recipe)
+    assert report["drafter"] == "dflash" and report["steps"] == 12 and report["feature_layers"] == [1, 2]
+    saved = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert saved["drafter"] == "dflash" and saved["config"]["feature_layers"] == [1, 2]
+    assert create_drafter("dflash", target, tmp_path / "dflash").hidden_layers == (1, 2)
