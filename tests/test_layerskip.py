@@ -190,3 +190,13 @@ def test_seeded_study_is_reproducible_resumable_and_found_by_the_drafter(tmp_pat
     assert len(drafter.forward.draft_vocab) == 12 and summary["plain_tokens_per_s"] > 0
     tokens, _ = speculative_generate(target, drafter, torch.tensor([1, 5, 6, 7]), 8)
     assert 1 <= len(tokens) <= 8
+
+
+def test_tune_bad_input_is_one_line(tmp_path, tiny_checkpoint, capsys):
+    from selfspec.cli import main
+
+    assert main(["tune", "layerskip", "--model", str(tiny_checkpoint), "--data", str(tmp_path / "nope.jsonl")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("selfspec: error: calibration data") and "\n" not in error
+    with pytest.raises(SystemExit):
+        main(["tune", "layerskip", "--trials", "0"])
