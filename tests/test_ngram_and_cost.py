@@ -72,3 +72,25 @@ def test_best_chain_length_follows_cost_and_acceptance():
 
 def curve_size_limit(curve):
     return curve.largest_size_within(1.15)
+
+
+def test_ngram_drafts_again_after_a_bad_stretch():
+    """Failures push the acceptance estimate below break-even (no draft); steps without a draft carry no evidence, so
+    the estimate drifts back to the prior and drafting resumes instead of staying off for good."""
+    from selfspec.tree_attention import DraftTree, VerifyResult
+
+    drafter = ngram_with_context([1, 2, 3, 1, 2, 3, 1, 2])
+    drafter.cost_curve = CostCurve((1, 2, 64), (1.0, 1.5, 40.0), source="test")  # a draft pays above a ~0.5 acceptance
+    request = DraftRequest(2, 4, SamplingConfig(), None)
+    assert drafter.propose(request).size > 1
+    failed = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=9, is_bonus=False)
+    for _ in range(10):
+        drafter.observe(Observation((9,), {}, failed, DraftTree.from_paths(2, [[3]])))
+    assert drafter.acceptance < 0.2 and drafter.propose(request).size == 1
+    idle = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=2, is_bonus=False)
+    steps = 0
+    while drafter.propose(request).size == 1:
+        drafter.observe(Observation((2,), {}, idle, DraftTree.root_only(2)))
+        steps += 1
+        assert steps < 100, "drafting never resumed"
+    assert steps > 5  # not at once: the bad stretch still counts for a while

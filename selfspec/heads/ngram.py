@@ -14,6 +14,7 @@ from ..tree_attention import DraftTree
 from .base import DraftRequest, Drafter, Observation, register_drafter
 
 _DECAY = 0.9  # weight of history in the running acceptance estimate
+_RECOVERY = 0.05  # per step without a draft, the share of the gap to the prior the estimate closes
 
 
 @register_drafter("ngram")
@@ -92,4 +93,9 @@ class NgramDrafter(Drafter):
             attempted = accepted + (0 if observation.result.is_bonus else 1)
             self.accepted_weight = _DECAY * self.accepted_weight + accepted
             self.attempted_weight = _DECAY * self.attempted_weight + attempted
+        elif observation.result is not None:
+            # No draft, no evidence: drift back toward the prior. Otherwise one bad stretch below break-even would
+            # switch drafting off for good (a chain length of 0 is never measured again).
+            target = self.prior_acceptance * self.attempted_weight
+            self.accepted_weight += _RECOVERY * (target - self.accepted_weight)
         self._append(observation.new_tokens)
