@@ -7,6 +7,7 @@ several GPUs with no code change), the progress bar, periodic checkpoints and `-
 
 from __future__ import annotations
 
+import abc
 import glob
 import math
 import os
@@ -34,11 +35,12 @@ class Batch:
     topk_probs: torch.Tensor  # [B, L, k] float32
 
 
-class TrainableHead(torch.nn.Module):
+class TrainableHead(torch.nn.Module, metaclass=abc.ABCMeta):
     """What the trainer needs from a head: a loss on a batch, and per-head metrics for the progress bar."""
 
+    @abc.abstractmethod
     def training_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        raise NotImplementedError
+        """-> (the loss to minimise, metrics for the progress bar); every head's training module defines it."""
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         # The trainer calls the (possibly DDP-wrapped) module, so gradients synchronise across processes.
@@ -184,10 +186,11 @@ def _load_checkpoint(path: Path, head, optimizer, scheduler) -> int:
     missing = set(_trainable_state(head)) - set(state["head"])
     if missing:
         raise SelfspecError(f"checkpoint '{path}' does not match this head (missing {sorted(missing)[:3]}): start without --resume")
-    # Frozen base weights are not in checkpoints (missing keys checked above); nothing unknown may come in.
-    result = head.load_state_dict(state["head"], strict=False)
-    if result.unexpected_keys:
-        raise SelfspecError(f"checkpoint '{path}' holds weights this head lacks ({result.unexpected_keys[:3]}): start without --resume")
+    unexpected = set(state["head"]) - set(head.state_dict())
+    if unexpected:
+        raise SelfspecError(f"checkpoint '{path}' holds weights this head lacks ({sorted(unexpected)[:3]}): start without --resume")
+    # Frozen base weights are not in checkpoints: keep the head's own, and load the whole set strictly.
+    head.load_state_dict({**head.state_dict(), **state["head"]}, strict=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
