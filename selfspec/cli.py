@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
     _add_model_args(generate)
-    generate.add_argument("--drafter", default="ngram", help="drafter name (see `selfspec drafters`)")
+    generate.add_argument("--drafter", default="ngram", help="drafter spec: a name (see `selfspec drafters`) with options, e.g. layerskip:adaptive=false,max_draft=6")
     generate.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
     generate.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmark drafters against HF generate and HF peers on real prompts")
     _add_model_args(bench)
-    bench.add_argument("--drafters", default="none,ngram", help="comma-separated drafter names (`none` always runs); options after colons, e.g. eagle:fixed_nodes=60")
+    bench.add_argument("--drafters", default="none,ngram", help="comma-separated drafter specs (`none` always runs), each with its options, e.g. medusa,layerskip:threshold=0.3,max_draft=6")
     bench.add_argument("--datasets", default="mtbench,humaneval", help="comma-separated: mtbench, humaneval, sharegpt")
     bench.add_argument("--prompts", default=None, help="a JSONL file of your own prompts (prompt / turns / conversations)")
     bench.add_argument("--peers", default="hf_prompt_lookup,hf_early_exit", help="HF peers to run beside ('' for none)")
@@ -62,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--heads", default=None, help="heads directory for drafters that have trained parts")
     bench.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and charts")
-    bench.add_argument("--quick", action="store_true", help=f"smoke test: 2 prompts per set, 16 new tokens")
+    bench.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 16 new tokens")
 
     train = commands.add_parser("train", help="self-distil a drafter's heads from the target (data, labels, training, eval)")
-    train.add_argument("drafter", choices=["medusa", "eagle", "dflash"], help="which drafter to train")
+    train.add_argument("drafter", help="which drafter to train (those with a training recipe: medusa, eagle, dflash)")
     train.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/medusa-smollm2.yaml")
     train.add_argument("--model", default=None, help="override the recipe's model")
     train.add_argument("--out", default=None, help="override the recipe's output heads directory")
@@ -106,10 +106,12 @@ def _dtype(name: str | None):
 def _generate(args) -> None:
     from .api import SelfSpec
     from .errors import SelfspecError
+    from .heads import parse_drafter_options
     from .sampling import SamplingConfig
 
     # Cheap checks first, so bad input fails before a model is loaded.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    parse_drafter_options(args.drafter)
     if args.max_new_tokens <= 0:
         raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     if not args.prompt.strip():
@@ -126,7 +128,7 @@ def _generate(args) -> None:
         chat=not args.raw,
     )
     print()
-    print(f"[selfspec] drafter={args.drafter} {result.stats.summary()}", file=sys.stderr)
+    print(f"[selfspec] drafter={spec.drafter.describe()} {result.stats.summary()}", file=sys.stderr)
 
 
 def _profile(args) -> None:
@@ -145,7 +147,7 @@ def _profile(args) -> None:
 def _bench(args) -> None:
     from pathlib import Path
 
-    from .bench.harness import BenchRequest, parse_list, run_bench, valid_drafters, valid_peers
+    from .bench.harness import BenchRequest, parse_drafters, parse_list, run_bench, valid_peers
     from .bench.prompts import DATASETS
     from .bench.runner import BenchSettings
     from .models import load_target
@@ -153,7 +155,7 @@ def _bench(args) -> None:
 
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     request = BenchRequest(
-        drafters=parse_list(args.drafters, valid_drafters(), "drafter"),
+        drafters=parse_drafters(args.drafters),
         datasets=parse_list(args.datasets, DATASETS, "dataset"),
         peers=parse_list(args.peers, valid_peers(), "peer"),
         limit=args.limit,
@@ -170,8 +172,9 @@ def _bench(args) -> None:
 
 def _train(args) -> None:
     from .training.config import load_recipe
-    from .training.pipeline import run_recipe
+    from .training.pipeline import resolve_recipe, run_recipe
 
+    resolve_recipe(args.drafter)  # an unknown or untrainable drafter fails before the recipe is read
     config = load_recipe(args.config, {"model": args.model, "out": args.out})
     if config.drafter != args.drafter:
         from .errors import SelfspecError
@@ -223,9 +226,15 @@ def _medusa_tree(args) -> None:
 
 
 def _drafters(args) -> None:
-    from .heads import drafter_names
+    from dataclasses import fields
 
-    print("\n".join(drafter_names()))
+    from .heads import drafter_entry, drafter_names
+
+    for name in drafter_names():
+        entry = drafter_entry(name)
+        options = ", ".join(f.name for f in fields(entry.options_cls)) or "-"
+        kind = "trained" if entry.recipe else ("tuned" if entry.has_artifacts else "parameter-free")
+        print(f"{name:<10} {kind:<15} options: {options}")
 
 
 def main(argv: list[str] | None = None) -> int:

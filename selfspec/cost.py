@@ -7,14 +7,15 @@ one. `selfspec profile` measures and stores a curve per device; until then a bui
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
+from .files import atomic_write_text
 from .models import Target, cache_root
 
 # Built-in estimates, used until `selfspec profile` has measured this machine.
@@ -42,15 +43,30 @@ class CostCurve:
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
         return costs[-1] + slope * (n - sizes[-1])
 
+    def best_size(self, gains: Sequence[float], draft_cost_per_node: float = 0.0, min_size: int = 1) -> tuple[int, float]:
+        """The tree size n (root included) with the largest expected tokens per unit of cost, and that rate.
+
+        gains[i] is what node i + 1 adds to the expected accepted length (its chance of being accepted), best first,
+        so the first n - 1 gains are the best n-node tree. Rate(n) = (1 + sum of the first n - 1 gains) /
+        (cost(n) + (n - 1) * draft_cost_per_node); sizes below `min_size` are not considered unless no gain is given.
+        """
+        best_n, best_rate, expected = 1, (1.0 / self.cost(1) if min_size <= 1 else 0.0), 1.0
+        for index, gain in enumerate(gains):
+            expected += gain
+            n = index + 2
+            rate = expected / (self.cost(n) + (n - 1) * draft_cost_per_node)
+            if n >= min_size and rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n, best_rate
+
+    def best_size_for_paths(self, sorted_log_probs: Sequence[float], max_size: int) -> int:
+        """best_size for candidate nodes scored by their path's cumulative draft log-probability, best first: a
+        path's draft probability estimates the chance that the target accepts all of it. At most `max_size` nodes."""
+        return self.best_size([math.exp(score) for score in sorted_log_probs[: max_size - 1]])[0]
+
     def best_chain_length(self, acceptance: float, max_length: int) -> int:
         """Draft length k maximising expected tokens per step (1 + a + ... + a^k) over cost(k + 1)."""
-        best_k, best_value, expected = 0, 1.0 / self.cost(1), 1.0
-        for k in range(1, max(0, max_length) + 1):
-            expected += acceptance**k
-            value = expected / self.cost(k + 1)
-            if value > best_value:
-                best_k, best_value = k, value
-        return best_k
+        return self.best_size([acceptance**k for k in range(1, max(0, max_length) + 1)])[0] - 1
 
     def largest_size_within(self, cost_limit: float, max_size: int = 64) -> int:
         """The largest tree size whose cost stays within `cost_limit`."""
@@ -124,13 +140,7 @@ def monotone_fit(values: list[float]) -> list[float]:
 
 
 def save_cost_curve(curve: CostCurve, device: torch.device | str, model_name: str) -> Path:
-    path = profile_path(device, model_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(handle, "w") as file:
-        json.dump(curve.to_dict(), file, indent=1)
-    os.replace(temp, path)
-    return path
+    return atomic_write_text(profile_path(device, model_name), json.dumps(curve.to_dict(), indent=1))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -112,7 +112,9 @@ def speculative_generate(
             # 2. Propose, within what the loop can still emit this step.
             request = DraftRequest(committed[-1], budget - 1, sampling, generator)
             tree = drafter.propose(request).pruned(budget - 1)
-            assert tree.token_list[0] == committed[-1], f"drafter '{drafter.name}' rooted its tree at the wrong token"
+            if tree.token_list[0] != committed[-1]:
+                raise SelfspecError(f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
+                                    f"last committed token {committed[-1]}: node 0 must be DraftRequest.root_token")
             # 3. One target forward over the tree, after the cached prefix.
             inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
             output = tree_forward(model, cache, inputs, drafter.hidden_layers)

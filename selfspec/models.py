@@ -151,14 +151,18 @@ class Target:
         return torch.tensor([self.tokenizer(prompt)["input_ids"]], dtype=torch.long)
 
     def encode_messages(self, messages: list[dict]) -> torch.Tensor:
-        """Chat messages ({role, content}) -> input ids [1, L] through the chat template, ready for the assistant.
-        A tokenizer without a template gets the messages' contents joined by newlines."""
+        """Chat messages ({role, content}) -> input ids [1, L] through the chat template, ready for the assistant."""
+        return torch.tensor([self.render_chat(messages, add_generation_prompt=True)], dtype=torch.long)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The one chat renderer, for serving and for training data alike: the model's own chat template, or, for a
+        tokenizer without one, the contents joined by newlines (a newline after the last one when a reply follows)."""
         self._require_tokenizer()
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-            return torch.tensor([self.tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
-        text = "\n".join(message["content"] for message in messages)
-        return torch.tensor([self.tokenizer(text)["input_ids"]], dtype=torch.long)
+            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = "\n".join(message["content"] for message in messages) + ("\n" if add_generation_prompt else "")
+        return self.tokenizer(text)["input_ids"]
 
     def _require_tokenizer(self) -> None:
         if self.tokenizer is None:

@@ -13,7 +13,7 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.heads import create_drafter
 
-from .conftest import make_tiny_target
+from .helpers import make_tiny_target
 
 
 @pytest.fixture(scope="module")

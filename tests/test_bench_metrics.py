@@ -76,19 +76,3 @@ def test_aggregate_rows_and_table():
     assert all(r.greedy_match_rate is None for r in sampled)
     table = markdown_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| ngram |" in table
-
-
-def test_drafter_specs_carry_options():
-    import pytest
-
-    from selfspec.bench.harness import parse_list
-    from selfspec.bench.runner import parse_drafter_spec
-    from selfspec.errors import SelfspecError
-
-    assert parse_drafter_spec("eagle:fixed_nodes=60:top_p=0.5:mode=x") == ("eagle", {"fixed_nodes": 60, "top_p": 0.5, "mode": "x"})
-    assert parse_drafter_spec("medusa") == ("medusa", {})
-    assert parse_list("medusa, eagle:fixed_nodes=60", ["medusa", "eagle"], "drafter") == ("medusa", "eagle:fixed_nodes=60")
-    with pytest.raises(SelfspecError, match="unknown drafter 'eagel:x=1'"):
-        parse_list("eagel:x=1", ["eagle"], "drafter")
-    with pytest.raises(SelfspecError, match="not KEY=VALUE"):
-        parse_drafter_spec("eagle:60")

@@ -9,31 +9,12 @@ import math
 import pytest
 import torch
 
-from selfspec.cost import CostCurve
-from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.heads.artifacts import save_head
-from selfspec.heads.dflash import DFlashHead, block_mask, block_tree, spread_layers
-from selfspec.training.config import DFlashConfig
+from selfspec.heads.dflash import DFlashConfig, DFlashHead, block_mask, block_tree, spread_layers
 from selfspec.training.dflash import DFlashTraining, sample_anchors, training_mask
 
-from .conftest import CORE_FAMILIES, make_tiny_target
-from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value, expected_joint
-from .test_greedy_equality import PROMPT, hf_greedy
-from .test_training import fake_sharegpt  # noqa: F401  (fixture)
-
-
-def random_dflash_dir(target, directory, draft_vocab=None, seed=0, **config):
-    config = DFlashConfig(**{"block_size": 4, "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
-                             "top_k": 3, "max_tree_nodes": 10, **config})
-    torch.manual_seed(seed)
-    head = DFlashHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
-    for name, parameter in head.named_parameters():
-        if parameter.dim() > 1:
-            torch.nn.init.normal_(parameter, std=0.3)
-    config = DFlashConfig(**{**config.__dict__, "feature_layers": head.feature_layers})
-    return save_head(directory, "dflash", config, head.state_dict(), target.fingerprint, {})
+from .helpers import PROMPT, tiny_recipe, make_tiny_target, random_dflash_dir
 
 
 def visible(mask):
@@ -129,36 +110,6 @@ def test_wrong_base_round_trip_and_drafter(tmp_path):
         create_drafter("dflash", target)
 
 
-@pytest.mark.parametrize("family", CORE_FAMILIES)
-def test_greedy_equality_with_dflash_trees(family, tmp_path):
-    target = make_tiny_target(family)
-    target.model.generation_config.eos_token_id = None
-    target._eos = ()
-    reference = hf_greedy(target, PROMPT, 30, eos=-1)
-    for name, vocab in {"full": None, "reduced": torch.arange(0, target.vocab_size, 2)}.items():
-        directory = random_dflash_dir(target, tmp_path / name, draft_vocab=vocab)
-        for nodes in (None, 2, 10):
-            drafter = create_drafter("dflash", target, directory, **({} if nodes is None else {"max_nodes": nodes}))
-            drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")  # free trees: the largest ones get verified
-            tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
-            assert list(tokens) == reference, f"{family}/{name}/{nodes}"
-            assert max(stats.tree_sizes) == (nodes or 10)
-
-
-def test_chi_square_with_dflash_trees(tmp_path):
-    prompt = [3, 5]
-    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=1)
-    target._eos = ()
-    drafter = create_drafter("dflash", target, random_dflash_dir(target, tmp_path / "h", top_k=2, block_size=3), max_nodes=5)
-    drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")
-    counts = torch.zeros(VOCAB, VOCAB)
-    for seed in range(8_000):
-        tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 2, SAMPLING, seed=seed)
-        assert stats.tree_sizes[0] == 3  # depth 1 (max_new_tokens 2): the root and its two best children
-        counts[tokens[0], tokens[1]] += 1
-    assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
-
-
 def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
     import json
 
@@ -166,7 +117,6 @@ def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     from selfspec.training.pipeline import run_recipe
     from selfspec.training.trainer import collate, train
 
-    from .test_training import tiny_recipe
 
     import random
 

@@ -12,24 +12,9 @@ from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.heads.artifacts import save_head
-from selfspec.heads.eagle import EagleHead, best_size, causal_block_mask, grow_tree
-from selfspec.training.config import EagleConfig
+from selfspec.heads.eagle import EagleConfig, EagleHead, causal_block_mask, grow_tree
 
-from .conftest import CORE_FAMILIES, make_tiny_target
-from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value, expected_joint
-from .test_greedy_equality import PROMPT, hf_greedy
-from .test_training import fake_sharegpt  # noqa: F401  (fixture)
-
-
-def random_eagle_dir(target, directory, draft_vocab=None, seed=0, **config):
-    config = EagleConfig(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
-    torch.manual_seed(seed)
-    head = EagleHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
-    for name, parameter in head.named_parameters():
-        if parameter.dim() > 1:
-            torch.nn.init.normal_(parameter, std=0.3)
-    return save_head(directory, "eagle", config, head.state_dict(), target.fingerprint, {})
+from .helpers import PROMPT, tiny_recipe, tiny_training_setup, hf_greedy, make_tiny_target, random_eagle_dir
 
 
 def log_probs(*probabilities):
@@ -61,9 +46,9 @@ def test_grow_tree_expands_best_frontier_and_reranks():
 
 def test_best_size_follows_the_cost_curve():
     scores = [math.log(p) for p in (0.9, 0.8, 0.5, 0.2, 0.1)]
-    assert best_size(scores, CostCurve((1, 64), (1.0, 1.0), "flat"), 60) == 6
-    assert best_size(scores, CostCurve((1, 2, 64), (1.0, 2.0, 64.0), "steep"), 60) == 1
-    assert best_size(scores, CostCurve((1, 64), (1.0, 1.0), "flat"), 3) == 3
+    assert CostCurve((1, 64), (1.0, 1.0), "flat").best_size_for_paths(scores, 60) == 6
+    assert CostCurve((1, 2, 64), (1.0, 2.0, 64.0), "steep").best_size_for_paths(scores, 60) == 1
+    assert CostCurve((1, 64), (1.0, 1.0), "flat").best_size_for_paths(scores, 3) == 3
 
 
 def test_head_cache_rolls_back_after_each_proposal(tmp_path):
@@ -93,38 +78,6 @@ def test_wrong_base_and_round_trip(tmp_path):
         create_drafter("eagle", make_tiny_target("qwen2"), directory)
     with pytest.raises(SelfspecError, match="'eagle' heads, not 'medusa'"):
         create_drafter("medusa", target, directory)
-
-
-@pytest.mark.parametrize("family", CORE_FAMILIES)
-def test_greedy_equality_with_eagle_trees(family, tmp_path):
-    target = make_tiny_target(family)
-    target.model.generation_config.eos_token_id = None
-    target._eos = ()
-    reference = hf_greedy(target, PROMPT, 30, eos=-1)
-    reduced = torch.arange(0, target.vocab_size, 2)
-    for name, vocab in {"full": None, "reduced": reduced}.items():
-        directory = random_eagle_dir(target, tmp_path / name, draft_vocab=vocab)
-        for nodes in (None, 3, 10):
-            options = {} if nodes is None else {"max_nodes": nodes}
-            drafter = create_drafter("eagle", target, directory, **options)
-            drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")  # free trees: the largest ones get verified
-            tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
-            assert list(tokens) == reference, f"{family}/{name}/{nodes}"
-            assert max(stats.tree_sizes) == (nodes or 10)
-
-
-def test_chi_square_with_eagle_trees(tmp_path):
-    prompt = [3, 5]
-    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=1)
-    target._eos = ()
-    drafter = create_drafter("eagle", target, random_eagle_dir(target, tmp_path / "h", top_k=2, depth=2), max_nodes=5)
-    drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0), "flat")
-    counts = torch.zeros(VOCAB, VOCAB)
-    for seed in range(20_000):
-        tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 2, SAMPLING, seed=seed)
-        assert stats.tree_sizes[0] > 1
-        counts[tokens[0], tokens[1]] += 1
-    assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -169,9 +122,8 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
     from selfspec.training.pipeline import run_recipe
     from selfspec.training.trainer import collate, train
 
-    from .test_training import _tiny_training_setup, tiny_recipe
 
-    target, sequences, _ = _tiny_training_setup(tiny_checkpoint)
+    target, sequences, _ = tiny_training_setup(tiny_checkpoint)
     module = EagleTraining(EagleHead(EagleConfig(draft_vocab_size=0, feature_noise=0.0), target, torch.arange(target.vocab_size)), EagleConfig(feature_noise=0.0))
     batch = collate(sequences, torch.device("cpu"))
     with torch.no_grad():

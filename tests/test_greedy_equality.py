@@ -9,24 +9,7 @@ from selfspec.decoding import speculative_generate
 from selfspec.heads import create_drafter
 from selfspec.models import Target
 
-from .conftest import CORE_FAMILIES, make_tiny_target
-from .drafters import OracleDrafter, RandomDrafter
-
-PROMPT = [1, 5, 17, 33, 5, 17, 40, 8, 9, 5, 17]
-
-
-def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
-    """The reference: transformers' own generate, greedy, same model."""
-    with torch.inference_mode():
-        output = target.model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos if eos is not None else target.eos_token_ids[0],
-            pad_token_id=0,
-        )
-    return output[0, len(prompt) :].tolist()
-
+from .helpers import CORE_FAMILIES, PROMPT, OracleDrafter, RandomDrafter, hf_greedy, make_tiny_target
 
 def drafters_for(target: Target, reference: list[int]):
     full = PROMPT + reference

@@ -9,35 +9,15 @@ import pytest
 import torch
 
 from selfspec.cost import CostCurve
-from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.heads.artifacts import save_head
-from selfspec.heads.medusa import MedusaHeads, TreeTemplate, expected_gains
-from selfspec.training.config import MedusaConfig
+from selfspec.heads.medusa import MedusaHeads, TreeTemplate
 from selfspec.training.losses import draft_vocabulary, soft_cross_entropy
 from selfspec.training.medusa import best_tree, shifted_labels
 from selfspec.training.trainer import Batch
 
-from .conftest import CORE_FAMILIES, make_tiny_target
-from selfspec.sampling import logits_to_probs
+from .helpers import make_tiny_target, random_medusa_dir
 
-from .test_chisquare import SAMPLING, VOCAB, chi_square_p_value
-from .test_greedy_equality import PROMPT, hf_greedy
-
-
-def random_heads_dir(target, directory, num_heads=3, draft_vocab=None, seed=0, max_nodes=12):
-    """Heads with random (non-zero) weights and a tree from made-up accuracies, saved like trained ones."""
-    config = MedusaConfig(num_heads=num_heads, draft_vocab_size=0 if draft_vocab is None else len(draft_vocab), max_rank=3)
-    vocab = torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab
-    heads = MedusaHeads(config, target.model.get_output_embeddings().weight.float(), vocab)
-    torch.manual_seed(seed)
-    for parameter in heads.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
-    accuracies = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]])[:num_heads]
-    paths, values = best_tree(accuracies, max_nodes)
-    tree = {"paths": [list(p) for p in paths], "values": values}
-    return save_head(directory, "medusa", config, heads.state_dict(), target.fingerprint, {"tree": tree})
 
 
 def test_head_k_labels_are_shifted_by_k_plus_one():
@@ -100,15 +80,16 @@ def test_budget_follows_the_cost_curve():
     values = [0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
     flat = CostCurve((1, 64), (1.0, 1.0), "test")  # a GPU-like curve: every node is free
     steep = CostCurve((1, 2, 64), (1.0, 2.0, 64.0), "test")  # each node costs a whole forward
-    assert expected_gains(values, flat, 64) == len(values) + 1
-    assert expected_gains(values, steep, 64) == 1
+    assert flat.best_size(values) == (len(values) + 1, pytest.approx((1 + sum(values)) / 1.0))
+    assert steep.best_size(values)[0] == 1
+    assert flat.best_size(values, draft_cost_per_node=1.0, min_size=2)[0] == 2  # drafting costs a step per node
 
 
 def test_save_load_round_trip_and_wrong_base(tmp_path):
     target = make_tiny_target("llama")
-    directory = random_heads_dir(target, tmp_path / "heads")
+    directory = random_medusa_dir(target, tmp_path / "heads")
     drafter = create_drafter("medusa", target, directory)
-    saved = MedusaHeads(drafter.heads.config, target.model.get_output_embeddings().weight, drafter.heads.draft_vocab)
+    saved = MedusaHeads(drafter.heads.config, target, drafter.heads.draft_vocab)
     from safetensors.torch import load_file
 
     state = load_file(str(directory / "model.safetensors"))
@@ -124,13 +105,13 @@ def test_save_load_round_trip_and_wrong_base(tmp_path):
 
 def test_unknown_config_key_and_foreign_weights_are_rejected(tmp_path):
     target = make_tiny_target("llama")
-    directory = random_heads_dir(target, tmp_path / "heads")
+    directory = random_medusa_dir(target, tmp_path / "heads")
     document = json.loads((directory / "config.json").read_text())
     document["config"]["num_head"] = 3
     (directory / "config.json").write_text(json.dumps(document))
     with pytest.raises(SelfspecError, match="unknown key"):
         create_drafter("medusa", target, directory)
-    directory = random_heads_dir(target, tmp_path / "heads2")
+    directory = random_medusa_dir(target, tmp_path / "heads2")
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(directory / "model.safetensors"))
@@ -145,53 +126,12 @@ def test_missing_heads_for_a_model_without_shipped_ones():
         create_drafter("medusa", make_tiny_target("llama"))
 
 
-@pytest.mark.parametrize("family", CORE_FAMILIES)
-def test_greedy_equality_with_medusa_trees(family, tmp_path):
-    target = make_tiny_target(family)
-    target.model.generation_config.eos_token_id = None
-    target._eos = ()
-    reference = hf_greedy(target, PROMPT, 30, eos=-1)
-    reduced = torch.arange(0, target.vocab_size, 2)  # a reduced draft vocabulary (every other id)
-    for name, vocab in {"full": None, "reduced": reduced}.items():
-        directory = random_heads_dir(target, tmp_path / name, draft_vocab=vocab)
-        for nodes in (None, 4, 12):
-            options = {} if nodes is None else {"max_nodes": nodes}
-            drafter = create_drafter("medusa", target, directory, **options)
-            tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
-            assert list(tokens) == reference, f"{family}/{name}/{nodes}"
-            assert max(stats.tree_sizes) > 1  # it did draft
-            if vocab is not None:
-                drafted = drafter.heads.topk_target_ids(drafter.last_hidden, 3)
-                assert bool((drafted % 2 == 0).all())  # only draft-vocabulary ids come out
-
-
-def test_chi_square_with_medusa_trees(tmp_path):
-    """Two prompt tokens: the prefill gives the heads a hidden state, so the first step verifies a Medusa tree."""
-    prompt = [3, 5]
-    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=1)
-    target._eos = ()
-    directory = random_heads_dir(target, tmp_path / "heads", num_heads=2, max_nodes=7)
-    drafter = create_drafter("medusa", target, directory, max_nodes=7)
-    with torch.inference_mode():
-        first = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1], SAMPLING)
-        second = torch.stack(
-            [logits_to_probs(target.model(torch.tensor([prompt + [t]])).logits[0, -1], SAMPLING) for t in range(VOCAB)]
-        )
-    counts, drafted_steps = torch.zeros(VOCAB, VOCAB), 0
-    for seed in range(20_000):
-        tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 2, SAMPLING, seed=seed)
-        counts[tokens[0], tokens[1]] += 1
-        drafted_steps += stats.tree_sizes[0] > 1
-    assert drafted_steps == 20_000
-    assert chi_square_p_value(counts, first[:, None] * second) > 1e-3
-
-
 def test_cli_generate_and_medusa_tree(tmp_path, tiny_checkpoint, capsys):
     from selfspec.cli import main
     from selfspec.models import load_target
 
     target = load_target(str(tiny_checkpoint))
-    directory = random_heads_dir(target, tmp_path / "heads")
+    directory = random_medusa_dir(target, tmp_path / "heads")
     data = tmp_path / "calibration.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a big red dog sat on the mat"}]}) + "\n")
     assert main(["medusa-tree", "--model", str(tiny_checkpoint), "--heads", str(directory), "--data", str(data), "--max-nodes", "5"]) == 0

@@ -4,7 +4,7 @@ import pytest
 
 from selfspec import SelfspecError, load_target
 
-from .conftest import make_tiny_target
+from .helpers import make_tiny_target
 
 
 def test_load_checkpoint_directory(tiny_checkpoint):

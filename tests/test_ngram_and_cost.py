@@ -1,14 +1,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from selfspec.cost import CostCurve, monotone_fit
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
 from selfspec.sampling import SamplingConfig
 
-from .conftest import make_tiny_target
+from .helpers import make_tiny_target
 
 FLAT = CostCurve((1, 64), (1.0, 1.0), source="test")
 

@@ -4,7 +4,6 @@ the whole recipe on a tiny checkpoint, Medusa-2 with LoRA, configs and CLI error
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import replace
 
 import pytest
@@ -15,52 +14,19 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.heads.medusa import MedusaHeads
 from selfspec.models import load_target
 from selfspec.training import labels as labels_module
-from selfspec.training.config import (
-    DataConfig, EvalConfig, LabelConfig, LoraConfig, MedusaConfig, RecipeConfig, TrainConfig, load_recipe,
-)
+from selfspec.heads.medusa import MedusaConfig, MedusaLoraConfig
+from selfspec.training.config import EvalConfig, TrainConfig, load_recipe
 from selfspec.training.data import load_conversations, tokenize_conversation
 from selfspec.training.labels import build_label_cache, label_sequence, load_label_cache
-from selfspec.training.medusa import MedusaTraining
-from selfspec.training.pipeline import prepare_examples, run_recipe
+from selfspec.training.pipeline import run_recipe
+from selfspec.training.stages import prepare_examples
 from selfspec.training.sharegpt import Conversation
 from selfspec.training.trainer import collate, train
 
-from .conftest import WORDS
-from .test_greedy_equality import hf_greedy
+from .helpers import hf_greedy, tiny_recipe, tiny_training_setup
 
-RECORDS = 100  # held-out: the last 2 records
-
-
-@pytest.fixture
-def fake_sharegpt(tmp_path, monkeypatch):
-    """A torn ShareGPT-like file of 100 complete records (+ a torn one) written with the tiny tokenizer's words."""
-    rng = random.Random(0)
-    records = []
-    for index in range(RECORDS):
-        question = " ".join(rng.choice(WORDS) for _ in range(6))
-        answer = " ".join(rng.choice(WORDS) for _ in range(12))
-        records.append({"id": f"r{index}", "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
-    text = "[" + ",".join(json.dumps(r) for r in records) + ', {"id": "torn", "conversations": [{"from": "hum'
-    path = tmp_path / "sharegpt.json"
-    path.write_text(text)
-    monkeypatch.setattr(sharegpt_module, "sharegpt_file", lambda: path)
-    return path
-
-
-def tiny_recipe(tmp_path, checkpoint, **changes) -> RecipeConfig:
-    config = RecipeConfig(
-        drafter="medusa", model=str(checkpoint), out=str(tmp_path / "heads"), work_dir=str(tmp_path / "work"),
-        data=DataConfig(source="sharegpt", conversations=None, max_length=64, regenerate=True, max_prompt_tokens=64,
-                        max_new_tokens=12, regenerate_batch_size=16, calibration_fraction=0.1),
-        labels=LabelConfig(storage="cache", top_k=4, shard_examples=16),
-        train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=12, checkpoint_every=4, log_every=2),
-        eval=EvalConfig(heldout_prompts=0),
-        medusa=MedusaConfig(num_heads=2, draft_vocab_size=16, max_rank=3, max_tree_nodes=8),
-    )
-    return replace(config, **changes)
 
 
 def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch):
@@ -118,24 +84,8 @@ def test_label_shapes_and_cache_round_trip_and_resume(tmp_path, tiny_checkpoint,
     assert torch.allclose(cached[0].hidden[-1].float(), sequence.hidden[-1].float())
 
 
-def _tiny_training_setup(tiny_checkpoint, count=12):
-    target = load_target(str(tiny_checkpoint))
-    rng = random.Random(1)
-    examples = []
-    for index in range(count):
-        conversation = Conversation(str(index), (
-            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(10))},
-        ))
-        examples.append(tokenize_conversation(target, conversation, 64))
-    sequences = [label_sequence(target, e, (-1,), 4) for e in examples]
-    config = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3)
-    make = lambda: MedusaTraining(MedusaHeads(config, target.model.get_output_embeddings().weight, torch.arange(target.vocab_size)), 0.8)
-    return target, sequences, make
-
-
 def test_tiny_training_run_lowers_the_loss(tmp_path, tiny_checkpoint):
-    _, sequences, make = _tiny_training_setup(tiny_checkpoint)
+    _, sequences, make = tiny_training_setup(tiny_checkpoint)
     module = make()
     batch = collate(sequences, torch.device("cpu"))
     with torch.no_grad():
@@ -149,7 +99,7 @@ def test_tiny_training_run_lowers_the_loss(tmp_path, tiny_checkpoint):
 
 
 def test_resume_continues_where_it_stopped(tmp_path, tiny_checkpoint):
-    _, sequences, make = _tiny_training_setup(tiny_checkpoint)
+    _, sequences, make = tiny_training_setup(tiny_checkpoint)
     config = TrainConfig(batch_size=4, lr=0.02, warmup_steps=2, max_steps=12, checkpoint_every=6, log_every=2)
     straight = make()
     train(straight, len(sequences), sequences.__getitem__, config, tmp_path / "a")
@@ -188,11 +138,11 @@ def test_whole_recipe_on_a_tiny_checkpoint(tmp_path, tiny_checkpoint, fake_share
 
 
 def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_checkpoint, fake_sharegpt):
-    medusa = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3, max_tree_nodes=8, lora=LoraConfig(rank=4, alpha=8))
+    medusa = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3, max_tree_nodes=8, lora=MedusaLoraConfig(rank=4, alpha=8))
     config = tiny_recipe(tmp_path, tiny_checkpoint, medusa=medusa, train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=1, max_steps=6, checkpoint_every=3, log_every=2))
     report = run_recipe(config)
     heads_dir = tmp_path / "heads"
-    assert (heads_dir / "adapter" / "adapter_config.json").is_file() and "kl" in report["final_metrics"]
+    assert (heads_dir / "adapter" / "adapter_config.json").is_file() and "base_ce" in report["final_metrics"]
     original = load_target(str(tiny_checkpoint))
     target = load_target(str(tiny_checkpoint))
     drafter = create_drafter("medusa", target, heads_dir)
@@ -244,3 +194,19 @@ def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_s
     regenerate(target, load_conversations("sharegpt")[:8], batched, max_new_tokens=10, batch_size=4)
     rows = [json.loads(line) for line in batched.read_text().splitlines()]
     assert [r["id"] for r in rows[:6]] == [r["id"] for r in rows_a] and len(rows) == 8
+
+
+@pytest.mark.parametrize("template", [True, False], ids=["chat-template", "no-template"])
+def test_training_data_renders_prompts_as_serving_does(tiny_checkpoint, template):
+    """One chat renderer: the tokens before an assistant reply in training data are the tokens `generate` feeds the
+    model for the same user turn (they once differed by a trailing newline for tokenizers without a template)."""
+    target = load_target(str(tiny_checkpoint))
+    if not template:
+        target.tokenizer.chat_template = None
+    user = {"role": "user", "content": "the cat sat"}
+    example = tokenize_conversation(target, Conversation("c", (user, {"role": "assistant", "content": "a dog ran"})), 64)
+    first_learned = example.loss_mask.tolist().index(True)
+    served = target.encode_messages([user])[0].tolist()
+    assert example.input_ids[:first_learned].tolist() == served
+    learned = target.tokenizer.convert_ids_to_tokens(example.input_ids[example.loss_mask].tolist())
+    assert learned[:3] == ["a", "dog", "ran"]

@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec.tree_attention import DraftTree, ancestor_matrix, build_tree_inputs, chunk_forward, compact_cache, tree_forward
+from selfspec.cost import load_cost_curve
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import Drafter
+from selfspec.sampling import SamplingConfig
+from selfspec.tree_attention import DraftTree, verify, ancestor_matrix, build_tree_inputs, chunk_forward, compact_cache, tree_forward
 
-from .conftest import CORE_FAMILIES, make_tiny_target
+from .helpers import CORE_FAMILIES, make_tiny_target
 
 # root -> a(1), b(2); a -> c(3), d(4); b -> e(5); d -> f(6)
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 4]
@@ -33,8 +38,26 @@ def test_from_paths_merges_shared_prefixes():
 
 
 def test_bad_tree_is_rejected():
-    with pytest.raises(AssertionError):
-        DraftTree(tokens=torch.tensor([1, 2, 3]), parents=torch.tensor([-1, 2, 0]))  # parent after child
+    # Public contract checks raise (not assert), so they hold under `python -O` too.
+    with pytest.raises(SelfspecError, match=r"parents\[1\] = 2: a node's parent must come before it"):
+        DraftTree(tokens=torch.tensor([1, 2, 3]), parents=torch.tensor([-1, 2, 0]))
+    with pytest.raises(SelfspecError, match="node 0 must be the root"):
+        DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([0, 0]))
+    with pytest.raises(SelfspecError, match="one shape"):
+        DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1]))
+    with pytest.raises(SelfspecError, match="one row of logits per tree node"):
+        verify(DraftTree.root_only(1), torch.zeros(2, 5), SamplingConfig())
+
+
+def test_a_tree_rooted_at_the_wrong_token_is_a_clear_error():
+    class WrongRoot(Drafter):
+        def propose(self, request):
+            return DraftTree.root_only(request.root_token + 1)
+
+    target = make_tiny_target("llama")
+    drafter = WrongRoot(target, load_cost_curve("cpu", target.name))
+    with pytest.raises(SelfspecError, match="rooted its tree at token .* not at the last committed token"):
+        speculative_generate(target, drafter, torch.tensor([1, 5, 7]), 4)
 
 
 def test_mask_and_positions():

@@ -12,8 +12,9 @@ import torch
 
 from ..cost import load_cost_curve
 from ..errors import SelfspecError
-from ..heads import drafter_names
+from ..heads import parse_drafter_options
 from ..models import Target
+from ..options import split_drafter_specs
 from .prompts import PromptItem, load_prompt_file, load_prompt_set
 from .report import aggregate, markdown_table, write_outputs
 from .runner import HF_PEERS, BenchSettings, build_methods, run_benchmark
@@ -35,12 +36,21 @@ class BenchRequest:
 
 
 def parse_list(text: str, valid: list[str] | tuple[str, ...], what: str) -> tuple[str, ...]:
-    """Comma-separated names; a drafter may carry options after colons (`eagle:fixed_nodes=60`)."""
+    """Comma-separated names (datasets, peers)."""
     items = tuple(item.strip() for item in text.split(",") if item.strip())
-    unknown = [item for item in items if item.split(":")[0] not in valid]
+    unknown = [item for item in items if item not in valid]
     if unknown:
         raise SelfspecError(f"unknown {what} {', '.join(map(repr, unknown))}: choose from {', '.join(valid)}")
     return items
+
+
+def parse_drafters(text: str) -> tuple[str, ...]:
+    """Comma-separated drafter specs, each with its own options (`medusa,layerskip:threshold=0.3,max_draft=6`),
+    checked now (names, option names and types), before any model is loaded."""
+    specs = tuple(split_drafter_specs(text))
+    for spec in specs:
+        parse_drafter_options(spec)
+    return specs
 
 
 def collect_prompts(request: BenchRequest) -> list[PromptItem]:
@@ -88,10 +98,6 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def valid_drafters() -> list[str]:
-    return drafter_names()
 
 
 def valid_peers() -> tuple[str, ...]:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..files import atomic_write, atomic_write_text
 from . import metrics
 from .metrics import RunRecord
 
@@ -100,13 +99,6 @@ def markdown_table(rows: list[Row], with_category: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(handle, "wb") as file:
-        file.write(data)
-    os.replace(temp, path)
-
-
 def write_outputs(out_dir: Path, meta: dict, rows: list[Row], category_rows: list[Row], records: list[RunRecord]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     as_dicts = lambda items: [item.__dict__ for item in items]  # noqa: E731
@@ -115,7 +107,7 @@ def write_outputs(out_dir: Path, meta: dict, rows: list[Row], category_rows: lis
         {k: v for k, v in r.__dict__.items() if k not in ("token_ids", "accepted_lengths", "tree_sizes")} for r in records
     ]
     written = [out_dir / "results.json", out_dir / "results.md"]
-    _atomic_write(written[0], json.dumps(results, indent=1).encode())
+    atomic_write_text(written[0], json.dumps(results, indent=1))
     markdown = (
         f"# selfspec bench\n\n`{meta['command']}`\n\nModel {meta['model']} on {meta['device']}, "
         f"{meta['max_new_tokens']} new tokens, temperature {meta['temperature']}.\n\n"
@@ -124,7 +116,7 @@ def write_outputs(out_dir: Path, meta: dict, rows: list[Row], category_rows: lis
         + markdown_table(category_rows, with_category=True)
         + "\n"
     )
-    _atomic_write(written[1], markdown.encode())
+    atomic_write_text(written[1], markdown)
     written += _charts(out_dir, rows, category_rows)
     return written
 
@@ -167,8 +159,6 @@ def _save(figure, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    temp = path.with_name(f".{path.stem}.tmp.png")
-    figure.savefig(temp, dpi=110)
+    atomic_write(path, lambda temp: figure.savefig(temp, dpi=110, format="png"))
     plt.close(figure)
-    os.replace(temp, path)
     return path

@@ -16,8 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ..decoding import speculative_generate
-from ..errors import SelfspecError
-from ..heads import create_drafter
+from ..heads import create_drafter, parse_drafter_options
 from ..models import Target
 from ..sampling import SamplingConfig
 from .metrics import RunRecord
@@ -94,28 +93,8 @@ def _hf_method(target: Target, settings: BenchSettings, **generate_kwargs) -> Me
     return run
 
 
-def parse_drafter_spec(spec: str) -> tuple[str, dict]:
-    """'eagle:fixed_nodes=60:top_k=10' -> ('eagle', {'fixed_nodes': 60, 'top_k': 10}); values are int, float or str."""
-    name, *pairs = spec.split(":")
-    options = {}
-    for pair in pairs:
-        key, separator, value = pair.partition("=")
-        if not separator or not key:
-            raise SelfspecError(f"drafter option '{pair}' in '{spec}' is not KEY=VALUE")
-        for kind in (int, float):
-            try:
-                options[key] = kind(value)
-                break
-            except ValueError:
-                continue
-        else:
-            options[key] = value
-    return name, options
-
-
 def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings, heads: Path | None) -> Method:
-    name, options = parse_drafter_spec(drafter_spec)
-    drafter = create_drafter(name, target, heads, **options)
+    drafter = create_drafter(drafter_spec, target, heads)
     sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
@@ -128,8 +107,9 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
 def build_methods(target: Target, drafters: list[str], peers: list[str], settings: BenchSettings, heads: Path | None = None) -> dict[str, Method]:
     """The baseline `hf`, then `none` (always: speed-ups are also reported against it), the drafters, the peers."""
     methods: dict[str, Method] = {"hf": _hf_method(target, settings)}
-    for name in ["none"] + [d for d in drafters if d != "none"]:
-        methods[name] = _selfspec_method(target, name, settings, heads if parse_drafter_spec(name)[0] not in ("none", "ngram") else None)
+    for spec in ["none"] + [d for d in drafters if d != "none"]:
+        entry, _ = parse_drafter_options(spec)
+        methods[spec] = _selfspec_method(target, spec, settings, heads if entry.has_artifacts else None)
     for peer in peers:
         if peer == "hf_prompt_lookup":
             methods[peer] = _hf_method(target, settings, prompt_lookup_num_tokens=settings.prompt_lookup_tokens)

@@ -6,8 +6,6 @@ renamed, so a directory is whole or absent. The base model's weights are never w
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,8 +15,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import SelfspecError
+from ..files import atomic_directory
 from ..models import ModelFingerprint, Target
-from ..training.config import from_dict, to_dict
+from ..options import from_dict, to_dict
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -45,31 +44,14 @@ def save_head(
     write_adapter: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a head directory atomically (replacing an existing one)."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
+    with atomic_directory(directory) as temp:
         document = {"drafter": drafter, "config": to_dict(config), "data": extra or {}}
         (temp / CONFIG).write_text(json.dumps(document, indent=1) + "\n")
         metadata = {"fingerprint": json.dumps(fingerprint.to_dict()), "drafter": drafter}
         save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, str(temp / WEIGHTS), metadata=metadata)
         if write_adapter is not None:
             write_adapter(temp / ADAPTER)
-        temp.chmod(0o755)  # mkdtemp makes a private directory; a heads directory is an ordinary output
-        for written in (temp / CONFIG, temp / WEIGHTS):
-            written.chmod(0o644)
-        if directory.exists():
-            backup = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(backup, ignore_errors=True)
-            directory.rename(backup)
-            temp.rename(directory)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            temp.rename(directory)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return directory
+    return Path(directory)
 
 
 def load_head(directory: Path, drafter: str, config_cls, target: Target) -> HeadArtifact:
@@ -118,9 +100,16 @@ def load_state_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], w
     module.load_state_dict(state, strict=True)
 
 
-def load_vocab_head(target: Target, heads_dir: Path | None, drafter: str, config_cls, head_cls) -> torch.nn.Module:
+@dataclass(frozen=True)
+class LoadedHead:
+    head: torch.nn.Module  # in the target's dtype, weights loaded strictly
+    directory: Path  # where it came from (given, or the shipped one found for the target)
+    data: dict  # what is stored beside the weights (tree shape, accuracies, ...)
+
+
+def load_vocab_head(target: Target, heads_dir: Path | None, drafter: str, config_cls, head_cls) -> LoadedHead:
     """Find (or take) a heads directory, check it, and build `head_cls(config, target, draft_vocab)` with its weights
-    loaded strictly, in the target's dtype (EAGLE, DFlash: heads over a reduced draft vocabulary)."""
+    loaded strictly, in the target's dtype (every head drafts over a reduced draft vocabulary)."""
     heads_dir = heads_dir or find_shipped_head(target, drafter, config_cls)
     artifact = load_head(heads_dir, drafter, config_cls, target)
     draft_vocab = artifact.state.get("draft_vocab")
@@ -128,7 +117,7 @@ def load_vocab_head(target: Target, heads_dir: Path | None, drafter: str, config
         raise SelfspecError(f"'{heads_dir}': missing or invalid draft_vocab")
     head = head_cls(artifact.config, target, draft_vocab)
     load_state_strict(head, artifact.state, heads_dir)
-    return head.to(target.dtype)
+    return LoadedHead(head.to(target.dtype), heads_dir, artifact.extra)
 
 
 def find_shipped_head(target: Target, drafter: str, config_cls) -> Path:

@@ -2,12 +2,16 @@
 
 A drafter proposes a `DraftTree` from what it has observed, and is told what was committed after each step. It never
 touches the target's KV cache or the verifier, and the verifier never knows which drafter made the tree.
+
+A drafter is registered with its options class (typed, what `name:key=value` specs and keyword arguments fill), the
+config class of its trained or tuned data (None for parameter-free drafters) and the dotted path of its training
+recipe ("module:function", imported only by the training pipeline, so heads/ never imports training/).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -16,6 +20,7 @@ import torch
 from ..cost import CostCurve, load_cost_curve
 from ..errors import SelfspecError
 from ..models import Target
+from ..options import format_option, from_dict, parse_drafter_spec
 from ..sampling import SamplingConfig
 from ..tree_attention import DraftTree, VerifyResult
 
@@ -42,25 +47,44 @@ class Observation:
     # (root first). The target's extra token is never forwarded in the step that produced it.
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """Options of a drafter that takes none."""
+
+
+def check_at_least_one(drafter: str, options) -> None:
+    """Every integer option that is set must be >= 1 (node budgets, widths, depths)."""
+    bad = [f.name for f in fields(options) if type(getattr(options, f.name)) is int and getattr(options, f.name) < 1]
+    if bad:
+        raise SelfspecError(f"{drafter}: {', '.join(bad)} must be >= 1")
+
+
 class Drafter(ABC):
     """Base class. Subclasses set `hidden_layers` if they need target hidden states in `observe`."""
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # indices into the target's hidden_states; -1 is the LM head's input
 
-    def __init__(self, target: Target, cost_curve: CostCurve):
+    def __init__(self, target: Target, cost_curve: CostCurve, options=None):
         self.target = target
         self.cost_curve = cost_curve
+        self.options = options  # the drafter's typed options (its registered options class)
 
     @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, **options) -> "Drafter":
-        """Build the drafter for `target`. Drafters without trained parts reject a heads directory."""
+    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options) -> "Drafter":
+        """Build the drafter for `target` from typed options. Drafters without trained parts reject a heads directory."""
         if heads_dir is not None:
             raise SelfspecError(f"drafter '{cls.name}' has no trained heads: drop --heads")
-        try:
-            return cls(target, cost_curve, **options)
-        except TypeError as error:
-            raise SelfspecError(f"bad option for drafter '{cls.name}': {error}") from None
+        return cls(target, cost_curve, options)
+
+    def describe(self) -> str:
+        """The drafter as a spec string: its name and the options that differ from their defaults."""
+        if self.options is None:
+            return self.name
+        default = type(self.options)()
+        changed = [f"{f.name}={format_option(getattr(self.options, f.name))}" for f in fields(self.options)
+                   if getattr(self.options, f.name) != getattr(default, f.name)]
+        return self.name + (":" + ",".join(changed) if changed else "")
 
     def reset(self) -> None:
         """Forget everything about the previous sequence."""
@@ -73,28 +97,67 @@ class Drafter(ABC):
         """Update the drafter's own state (its caches, its window of hidden states, its statistics)."""
 
 
-_REGISTRY: dict[str, type[Drafter]] = {}
+@dataclass(frozen=True)
+class DrafterEntry:
+    name: str
+    drafter_cls: type[Drafter]
+    options_cls: type  # a frozen dataclass, every field with a default
+    config_cls: type | None  # the config of its trained heads or tuned data; None = parameter-free
+    recipe: str | None  # "module:function" of its training recipe, None = not trainable with `selfspec train`
+
+    @property
+    def has_artifacts(self) -> bool:
+        """Whether it reads trained heads or tuned data (so --heads means something to it)."""
+        return self.config_cls is not None
 
 
-def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+_REGISTRY: dict[str, DrafterEntry] = {}
+
+
+def register_drafter(name: str, options: type = NoOptions, config: type | None = None,
+                     recipe: str | None = None) -> Callable[[type[Drafter]], type[Drafter]]:
     def decorate(cls: type[Drafter]) -> type[Drafter]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].__name__}")
+        if name in _REGISTRY and _REGISTRY[name].drafter_cls is not cls:
+            raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].drafter_cls.__name__}")
+        options()  # fail at registration, not at first use, if an options field lacks a default
         cls.name = name
-        _REGISTRY[name] = cls
+        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe)
         return cls
 
     return decorate
+
+
+def unregister_drafter(name: str) -> None:
+    """Remove a registration (third-party plugins and tests that register temporary drafters)."""
+    _REGISTRY.pop(name, None)
 
 
 def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_drafter(name: str, target: Target, heads_dir: str | Path | None = None, **options) -> Drafter:
+def drafter_entry(name: str) -> DrafterEntry:
     if name not in _REGISTRY:
         raise SelfspecError(f"unknown drafter '{name}': choose one of {', '.join(drafter_names())}")
+    return _REGISTRY[name]
+
+
+def parse_drafter_options(spec: str, **options) -> tuple[DrafterEntry, object]:
+    """A spec ('layerskip:adaptive=false,max_draft=6') plus keyword options -> (its entry, its typed options).
+    The spec's text values and keyword values go through one converter; a key given both ways is an error."""
+    name, text_options = parse_drafter_spec(spec)
+    entry = drafter_entry(name)
+    both = sorted(set(text_options) & set(options))
+    if both:
+        raise SelfspecError(f"drafter option(s) {', '.join(both)} given both in '{spec}' and as keyword arguments")
+    typed = from_dict(entry.options_cls, {**text_options, **options}, where=f"drafter '{name}' options", from_text=True)
+    return entry, typed
+
+
+def create_drafter(spec: str, target: Target, heads_dir: str | Path | None = None, **options) -> Drafter:
+    """`create_drafter("layerskip", target, adaptive=False)` or `create_drafter("layerskip:adaptive=false", target)`."""
+    entry, typed = parse_drafter_options(spec, **options)
     if heads_dir is not None and not Path(heads_dir).exists():  # a directory, or a file for tuned data (layerskip)
         raise SelfspecError(f"heads directory '{heads_dir}' does not exist")
     cost_curve = load_cost_curve(target.device, target.name)
-    return _REGISTRY[name].load(target, None if heads_dir is None else Path(heads_dir), cost_curve, **options)
+    return entry.drafter_cls.load(target, None if heads_dir is None else Path(heads_dir), cost_curve, typed)

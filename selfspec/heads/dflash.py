@@ -16,7 +16,7 @@ of verification cost on this machine's cost curve.
 from __future__ import annotations
 
 import heapq
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -24,11 +24,33 @@ from transformers import DynamicCache
 from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
-from ..training.config import DFlashConfig
 from ..tree_attention import DraftTree, trim_cache
-from .artifacts import load_vocab_head
-from .base import DraftRequest, Drafter, Observation, register_drafter
-from .eagle import best_size
+from .base import DraftRequest, Observation, check_at_least_one, register_drafter
+from .vocab import ReducedVocabHead, VocabHeadDrafter
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    block_size: int = 16  # B: the last committed token, then B - 1 masked positions drafted in one pass
+    num_layers: int = 1  # bidirectional drafter layers, of the base architecture's decoder-layer class
+    feature_layers: tuple[int, ...] = ()  # target hidden_states indices it is conditioned on; () = 4 spread over the depth
+    draft_vocab_size: int = 8192  # the most frequent target tokens in the training labels; 0 = full vocabulary
+    loss_decay: float = 0.8  # training: the loss weight of block position i is decay**(i - 1)
+    anchors_per_sequence: int = 8  # training: random block starts per sequence and step
+    top_k: int = 4  # drafting: candidate tokens per block position
+    max_tree_nodes: int = 32  # upper bound; the size used follows the cost curve and the draft's confidence
+
+
+@dataclass(frozen=True)
+class DFlashOptions:
+    """Drafting options; None = the drafter's trained config."""
+
+    max_nodes: int | None = None  # caps the tree; the size below it follows the cost curve
+    top_k: int | None = None
+    fixed_nodes: int | None = None  # verify this many nodes every step whatever the cost
+
+    def __post_init__(self) -> None:
+        check_at_least_one("dflash", self)
 
 
 def spread_layers(num_layers: int, count: int = 4) -> tuple[int, ...]:
@@ -43,7 +65,7 @@ def resolve_feature_layers(config: DFlashConfig, num_layers: int) -> tuple[int, 
     return tuple(layers)
 
 
-class DFlashHead(torch.nn.Module):
+class DFlashHead(ReducedVocabHead):
     def __init__(self, config: DFlashConfig, target: Target, draft_vocab: torch.Tensor):
         super().__init__()
         model, hidden_size = target.model, target.config.hidden_size
@@ -59,16 +81,11 @@ class DFlashHead(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layer_class(target.config, layer_idx=i) for i in range(config.num_layers))
         self.norm = norm_class(hidden_size, eps=eps)
         self.rotary = type(model.model.rotary_emb)(config=target.config)
-        self.register_buffer("draft_vocab", draft_vocab.long().clone())  # [V_draft] target ids, saved
-        # Frozen views of the target (not saved): its input embeddings and its LM head rows for the draft vocabulary.
+        self.attach_draft_vocab(model.get_output_embeddings().weight, draft_vocab)
+        # A frozen view of the target's input embeddings (not saved).
         embedding = model.get_input_embeddings()
         self.register_buffer("embed_weight", embedding.weight.detach(), persistent=False)
         self.embed_scale = float(getattr(embedding, "embed_scale", 1.0))  # Gemma scales its embeddings
-        lm_weight = model.get_output_embeddings().weight.detach()
-        self.register_buffer("draft_lm_weight", lm_weight[draft_vocab].clone(), persistent=False)
-        to_draft = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
-        to_draft[draft_vocab] = torch.arange(len(draft_vocab))
-        self.register_buffer("target_to_draft", to_draft, persistent=False)
 
     def init_from_target(self, target: Target) -> None:
         """Start from the target's own top layers and final norm: training then only has to adapt them."""
@@ -101,9 +118,6 @@ class DFlashHead(torch.nn.Module):
                            past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
             block = (output[0] if isinstance(output, tuple) else output)[:, m:]
         return self.norm(block)
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.draft_lm_weight.to(hidden.dtype).T
 
 
 def block_tree(log_probs: torch.Tensor, top_k: int, max_nodes: int, size_for) -> tuple[list[int], list[int]]:
@@ -146,27 +160,14 @@ def block_mask(cached: int, new_context: int, block: int, dtype: torch.dtype, de
     return mask.masked_fill_(hidden, torch.finfo(dtype).min).view(1, 1, rows, width)
 
 
-@register_drafter("dflash")
-class DFlashDrafter(Drafter):
-    def __init__(self, target: Target, cost_curve: CostCurve, head: DFlashHead, max_nodes: int | None = None,
-                 top_k: int | None = None, fixed_nodes: int | None = None):
-        super().__init__(target, cost_curve)
-        self.head = head.to(target.device).eval().requires_grad_(False)
-        self.hidden_layers = head.feature_layers
-        self.top_k = top_k or head.config.top_k
-        self.max_nodes = fixed_nodes or max_nodes or head.config.max_tree_nodes
-        self.fixed_nodes = fixed_nodes
-        if min(self.top_k, self.max_nodes) < 1:
-            raise SelfspecError("dflash: top_k, max_nodes and fixed_nodes must be >= 1")
-        self.reset()
+@register_drafter("dflash", options=DFlashOptions, config=DFlashConfig, recipe="selfspec.training.dflash:train_dflash")
+class DFlashDrafter(VocabHeadDrafter):
+    head_cls = DFlashHead
 
-    @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, **options) -> "DFlashDrafter":
-        head = load_vocab_head(target, heads_dir, "dflash", DFlashConfig, DFlashHead)
-        try:
-            return cls(target, cost_curve, head, **options)
-        except TypeError as error:
-            raise SelfspecError(f"bad option for drafter 'dflash': {error}") from None
+    def __init__(self, target: Target, cost_curve: CostCurve, head: DFlashHead, options: DFlashOptions = DFlashOptions()):
+        super().__init__(target, cost_curve, head, options)
+        self.hidden_layers = head.feature_layers
+        self.reset()
 
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -198,12 +199,5 @@ class DFlashDrafter(Drafter):
             trim_cache(self.cache, self.position)  # keep the context rows, drop the block's
             log_probs = torch.log_softmax(head.draft_logits(outputs[1 : depth + 1]).float(), dim=-1)  # [D, V_draft]
 
-        def size_for(scores: list[float]) -> int:
-            return self.fixed_nodes or best_size(scores, self.cost_curve, self.max_nodes)
-
-        tokens, parents = block_tree(log_probs, self.top_k, self.max_nodes, size_for)
-        if not tokens:
-            return DraftTree.root_only(request.root_token)
-        target_ids = head.draft_vocab[torch.tensor(tokens, device=device)]
-        root_token = torch.tensor([request.root_token], device=device)
-        return DraftTree(tokens=torch.cat([root_token, target_ids]).long(), parents=torch.tensor([-1] + [p + 1 for p in parents]))
+        tokens, parents = block_tree(log_probs, self.top_k, self.max_nodes, self.tree_size)
+        return head.tree_from_draft_ids(request.root_token, tokens, parents)

@@ -13,24 +13,45 @@ the kept set is a tree). The budget follows this machine's cost curve.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
 from ..cost import CostCurve
-from ..errors import SelfspecError
 from ..models import Target
-from ..training.config import EagleConfig
 from ..tree_attention import DraftTree, causal_block_mask, trim_cache
-from .artifacts import load_vocab_head
-from .base import DraftRequest, Drafter, Observation, register_drafter
+from .base import DraftRequest, Observation, check_at_least_one, register_drafter
+from .vocab import ReducedVocabHead, VocabHeadDrafter
 
 
-class EagleHead(torch.nn.Module):
+@dataclass(frozen=True)
+class EagleConfig:
+    draft_vocab_size: int = 8192  # the most frequent target tokens in the training labels; 0 = full vocabulary
+    feature_noise: float = 0.1  # training: uniform noise U(-a, a) on input features, so the head copes with its own
+    hidden_weight: float = 1.0  # smooth-L1 on the predicted next feature
+    token_weight: float = 0.1  # cross-entropy against the target's next-token distribution
+    unroll_steps: int = 1  # training: draft steps per position, steps after the first fed the head's own features
+    top_k: int = 8  # children per expanded node, and frontier nodes expanded per depth
+    depth: int = 6  # deepest draft level
+    max_tree_nodes: int = 60  # upper bound; the size used follows the cost curve and the draft's confidence
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    """Drafting options; None = the head's trained config."""
+
+    max_nodes: int | None = None  # caps the tree; the size below it follows the cost curve
+    top_k: int | None = None
+    depth: int | None = None
+    fixed_nodes: int | None = None  # verify this many nodes every step whatever the cost (the papers' budgets, e.g. 60)
+
+    def __post_init__(self) -> None:
+        check_at_least_one("eagle", self)
+
+
+class EagleHead(ReducedVocabHead):
     def __init__(self, config: EagleConfig, target: Target, draft_vocab: torch.Tensor):
         super().__init__()
         model = target.model
@@ -39,14 +60,9 @@ class EagleHead(torch.nn.Module):
         self.fc = torch.nn.Linear(2 * hidden_size, hidden_size)
         self.layer = type(model.model.layers[0])(target.config, layer_idx=0)  # the base's own decoder-layer class
         self.rotary = type(model.model.rotary_emb)(config=target.config)
-        self.register_buffer("draft_vocab", draft_vocab.long().clone())  # [V_draft] target ids, saved
-        # Frozen views of the target (not saved): its input embeddings and its LM head rows for the draft vocabulary.
+        self.attach_draft_vocab(model.get_output_embeddings().weight, draft_vocab)
+        # A frozen view of the target's input embeddings (not saved).
         self.register_buffer("embed_weight", model.get_input_embeddings().weight.detach(), persistent=False)
-        lm_weight = model.get_output_embeddings().weight.detach()
-        self.register_buffer("draft_lm_weight", lm_weight[draft_vocab].clone(), persistent=False)
-        to_draft = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
-        to_draft[draft_vocab] = torch.arange(len(draft_vocab))
-        self.register_buffer("target_to_draft", to_draft, persistent=False)
         self.embed_scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))  # Gemma scales embeddings
 
     def forward(self, features, tokens, position_ids, attention_mask=None, cache=None) -> torch.Tensor:
@@ -60,9 +76,6 @@ class EagleHead(torch.nn.Module):
             use_cache=cache is not None, position_embeddings=position_embeddings,
         )
         return output[0] if isinstance(output, tuple) else output
-
-    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
-        return features @ self.draft_lm_weight.to(features.dtype).T
 
 
 @dataclass(frozen=True)
@@ -120,49 +133,20 @@ def grow_tree(
     kept = sorted(order)  # creation order: parents before children
     new_index = {old: new for new, old in enumerate(kept)}
     kept_tokens = [tokens[i] for i in kept]
-    kept_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
-    assert all(parents[i] < 0 or parents[i] in new_index for i in kept), "a kept node lost its parent"
+    kept_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept]  # a child never outranks its parent
     return kept_tokens, kept_parents
 
 
 
-def best_size(sorted_scores: list[float], cost_curve: CostCurve, max_nodes: int) -> int:
-    """Nodes (root included) maximising (1 + sum of the kept nodes' draft path probabilities) / cost(n): a node's
-    cumulative draft probability estimates the chance that the target accepts its whole path."""
-    best_n, best_value, expected = 1, 1.0 / cost_curve.cost(1), 1.0
-    for index, score in enumerate(sorted_scores[: max_nodes - 1]):
-        expected += math.exp(score)
-        value = expected / cost_curve.cost(index + 2)
-        if value > best_value:
-            best_n, best_value = index + 2, value
-    return best_n
-
-
-@register_drafter("eagle")
-class EagleDrafter(Drafter):
+@register_drafter("eagle", options=EagleOptions, config=EagleConfig, recipe="selfspec.training.eagle:train_eagle")
+class EagleDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)
+    head_cls = EagleHead
 
-    def __init__(self, target: Target, cost_curve: CostCurve, head: EagleHead, max_nodes: int | None = None,
-                 top_k: int | None = None, depth: int | None = None, fixed_nodes: int | None = None):
-        """max_nodes caps the tree (the size below it follows the cost curve); fixed_nodes verifies that many nodes
-        every step whatever the cost (the papers' fixed budgets, e.g. 60)."""
-        super().__init__(target, cost_curve)
-        self.head = head.to(target.device).eval().requires_grad_(False)
-        self.top_k = top_k or head.config.top_k
-        self.depth = depth or head.config.depth
-        self.max_nodes = fixed_nodes or max_nodes or head.config.max_tree_nodes
-        self.fixed_nodes = fixed_nodes
-        if min(self.top_k, self.depth, self.max_nodes) < 1:
-            raise SelfspecError("eagle: top_k, depth, max_nodes and fixed_nodes must be >= 1")
+    def __init__(self, target: Target, cost_curve: CostCurve, head: EagleHead, options: EagleOptions = EagleOptions()):
+        super().__init__(target, cost_curve, head, options)
+        self.depth = options.depth or head.config.depth
         self.reset()
-
-    @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, **options) -> "EagleDrafter":
-        head = load_vocab_head(target, heads_dir, "eagle", EagleConfig, EagleHead)
-        try:
-            return cls(target, cost_curve, head, **options)
-        except TypeError as error:
-            raise SelfspecError(f"bad option for drafter 'eagle': {error}") from None
 
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -222,16 +206,7 @@ class EagleDrafter(Drafter):
                 feature_of[node] = outputs[row]
             return torch.log_softmax(self.head.draft_logits(outputs).float(), dim=-1)
 
-        def size_for(sorted_scores: list[float]) -> int:
-            if self.fixed_nodes:
-                return self.fixed_nodes
-            return best_size(sorted_scores, self.cost_curve, self.max_nodes)
-
         with torch.inference_mode():
-            tokens, parents = grow_tree(self.root_log_probs, expand, self.top_k, min(self.depth, request.max_depth), size_for)
+            tokens, parents = grow_tree(self.root_log_probs, expand, self.top_k, min(self.depth, request.max_depth), self.tree_size)
         trim_cache(self.cache, committed)
-        if not tokens:
-            return DraftTree.root_only(request.root_token)
-        target_ids = self.head.draft_vocab[torch.tensor(tokens, device=device)]
-        root = torch.tensor([request.root_token], device=device)
-        return DraftTree(tokens=torch.cat([root, target_ids]).long(), parents=torch.tensor([-1] + [p + 1 for p in parents]))
+        return self.head.tree_from_draft_ids(request.root_token, tokens, parents)

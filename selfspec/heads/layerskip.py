@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +22,54 @@ from transformers import DynamicCache
 
 from ..cost import CostCurve
 from ..errors import SelfspecError
+from ..files import atomic_write_text
 from ..models import ModelFingerprint, Target, cache_root
-from ..training.config import LayerSkipSettings, from_dict, to_dict
+from ..options import from_dict, to_dict
 from ..tree_attention import DraftTree, trim_cache
 from .artifacts import SHIPPED_DIR
 from .base import DraftRequest, Drafter, Observation, register_drafter
 
 SKIP_FILE = "layerskip.json"
+
+
+@dataclass(frozen=True)
+class LayerSkipSettings:
+    """A layer-skip draft: which sublayers it skips (layer indices) and how far it drafts. The tuned data."""
+
+    skip_attention: tuple[int, ...] = ()
+    skip_mlp: tuple[int, ...] = ()
+    threshold: float = 0.5  # stop drafting where the draft's top-1 probability falls below this (adapted at run time)
+    max_draft: int = 4  # longest chain
+    branch_threshold: float = 0.0  # below this top-1 probability, also propose the top-2 token (a leaf); 0 = never
+    target_acceptance: float = 0.7  # the adaptive threshold steers the recent acceptance rate towards this
+    adapt_step: float = 0.02  # threshold change per step
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1 or not 0.0 <= self.threshold < 1.0:
+            raise SelfspecError("layerskip: max_draft must be >= 1 and threshold in [0, 1)")
+
+
+@dataclass(frozen=True)
+class LayerSkipOptions:
+    """Run-time options. The settings fields (skip_attention ... adapt_step), when set, override the tuned ones."""
+
+    skip: str = "tuned"  # "tuned" (this model's searched set) or "every-other" (the hand-made baseline)
+    adaptive: bool = True  # adapt the threshold toward target_acceptance (Draft & Verify)
+    skip_attention: tuple[int, ...] | None = None  # layer indices; on a command line 1+3+5
+    skip_mlp: tuple[int, ...] | None = None
+    threshold: float | None = None
+    max_draft: int | None = None
+    branch_threshold: float | None = None
+    target_acceptance: float | None = None
+    adapt_step: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.skip not in ("tuned", "every-other"):
+            raise SelfspecError(f"layerskip: skip must be 'tuned' or 'every-other', got '{self.skip}'")
+
+    def overrides(self) -> dict:
+        names = ("skip_attention", "skip_mlp", "threshold", "max_draft", "branch_threshold", "target_acceptance", "adapt_step")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
@@ -50,10 +89,6 @@ class SkipPlan:
             run_attention=tuple(i not in settings.skip_attention for i in range(num_layers)),
             run_mlp=tuple(i not in settings.skip_mlp for i in range(num_layers)),
         )
-
-    @property
-    def runs_everything(self) -> bool:
-        return all(self.run_attention) and all(self.run_mlp)
 
 
 def every_other_layer(num_layers: int) -> tuple[int, ...]:
@@ -147,38 +182,30 @@ class SkippingForward:
         return draft_ids if self.draft_vocab is None else self.draft_vocab.to(draft_ids.device)[draft_ids]
 
 
-@register_drafter("layerskip")
+@register_drafter("layerskip", options=LayerSkipOptions, config=LayerSkipSettings)
 class LayerSkipDrafter(Drafter):
     def __init__(self, target: Target, cost_curve: CostCurve, settings: LayerSkipSettings,
-                 draft_vocab: torch.Tensor | None = None, adaptive: bool = True):
-        super().__init__(target, cost_curve)
-        if settings.max_draft < 1 or not 0.0 <= settings.threshold < 1.0:
-            raise SelfspecError("layerskip: max_draft must be >= 1 and threshold in [0, 1)")
+                 draft_vocab: torch.Tensor | None = None, options: LayerSkipOptions = LayerSkipOptions()):
+        super().__init__(target, cost_curve, options)
         self.settings = settings
-        self.adaptive = adaptive
+        self.adaptive = options.adaptive
         self.forward = SkippingForward(target, SkipPlan.from_settings(settings, target.config.num_hidden_layers), draft_vocab)
         self.reset()
 
     @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, skip: str | None = None,
-             adaptive: bool = True, **overrides) -> "LayerSkipDrafter":
-        """skip: None = the tuned set for this model (--heads names a file or directory of one), 'every-other' = the
-        hand-made baseline. Other options override tuned settings (threshold=0.3, max_draft=4, ...)."""
-        if skip not in (None, "tuned", "every-other"):
-            raise SelfspecError(f"layerskip: skip must be 'tuned' or 'every-other', got '{skip}'")
-        if skip == "every-other":
+    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: LayerSkipOptions) -> "LayerSkipDrafter":
+        """skip=tuned: the tuned set for this model (--heads names a file or directory of one); skip=every-other: the
+        hand-made baseline. Settings options override the tuned ones (threshold=0.3, max_draft=4, ...)."""
+        if options.skip == "every-other":
             if heads_dir is not None:
                 raise SelfspecError("layerskip: skip=every-other takes no --heads")
-            settings, vocab = LayerSkipSettings(skip_attention=every_other_layer(target.config.num_hidden_layers),
-                                                skip_mlp=every_other_layer(target.config.num_hidden_layers)), None
+            every_other = every_other_layer(target.config.num_hidden_layers)
+            settings, vocab = LayerSkipSettings(skip_attention=every_other, skip_mlp=every_other), None
         else:
             tuned = load_skip_file(find_skip_file(target, heads_dir), target)
             settings, vocab = tuned.settings, tuned.draft_vocab
-        try:
-            settings = from_dict(LayerSkipSettings, {**to_dict(settings), **overrides}, where="layerskip options")
-        except SelfspecError as error:
-            raise SelfspecError(f"bad option for drafter 'layerskip': {error}") from None
-        return cls(target, cost_curve, settings, vocab, adaptive=bool(adaptive))
+        settings = from_dict(LayerSkipSettings, {**to_dict(settings), **options.overrides()}, where="layerskip options")
+        return cls(target, cost_curve, settings, vocab, options)
 
     def reset(self) -> None:
         self.cache = DynamicCache()
@@ -324,15 +351,4 @@ def save_skip_file(path: Path, tuned: TunedSkipSet) -> Path:
         "draft_vocab": None if tuned.draft_vocab is None else tuned.draft_vocab.tolist(),
         "study": tuned.study,
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(json.dumps(document, indent=1) + "\n")
-        os.chmod(temp, 0o644)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, json.dumps(document, indent=1) + "\n")

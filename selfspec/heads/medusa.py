@@ -11,6 +11,7 @@ tree. The node budget maximises expected accepted length per unit of verificatio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,10 +19,41 @@ import torch
 from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
-from ..training.config import MedusaConfig
 from ..tree_attention import DraftTree
-from .artifacts import ADAPTER, find_shipped_head, load_head, load_state_strict
-from .base import DraftRequest, Drafter, Observation, register_drafter
+from .artifacts import ADAPTER, load_vocab_head
+from .base import DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
+from .vocab import ReducedVocabHead
+
+
+@dataclass(frozen=True)
+class MedusaLoraConfig:
+    """Medusa-2: LoRA adapters on the base, trained jointly with the heads (maps onto peft's own LoraConfig)."""
+
+    rank: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    distill_weight: float = 1.0  # weight of CE(original target || adapted target): keeps the base's outputs
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    draft_vocab_size: int = 8192  # the most frequent target tokens in the training labels; 0 = full vocabulary
+    head_decay: float = 0.8  # loss weight of head k is decay**k (later heads are harder and matter less)
+    max_tree_nodes: int = 64  # tree candidates ranked by the tree builder
+    max_rank: int = 10  # top-k ranks per head the tree builder considers
+    lora: MedusaLoraConfig | None = None  # Medusa-2: train LoRA adapters on the base jointly with the heads
+
+
+@dataclass(frozen=True)
+class MedusaOptions:
+    max_nodes: int | None = None  # tree nodes verified per step, root included; None = what the cost curve picks
+
+    def __post_init__(self) -> None:
+        check_at_least_one("medusa", self)
+
 
 class ResBlock(torch.nn.Module):
     def __init__(self, hidden_size: int):
@@ -34,22 +66,17 @@ class ResBlock(torch.nn.Module):
         return hidden + torch.nn.functional.silu(self.linear(hidden))
 
 
-class MedusaHeads(torch.nn.Module):
+class MedusaHeads(ReducedVocabHead):
     """The trainable heads plus a frozen view of the target's LM head rows for the draft vocabulary."""
 
-    def __init__(self, config: MedusaConfig, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor):
+    def __init__(self, config: MedusaConfig, target: Target, draft_vocab: torch.Tensor):
         super().__init__()
-        hidden_size = lm_head_weight.shape[1]
+        hidden_size = target.config.hidden_size
         self.config = config
         self.heads = torch.nn.ModuleList(
             torch.nn.Sequential(*(ResBlock(hidden_size) for _ in range(config.num_layers))) for _ in range(config.num_heads)
         )
-        self.register_buffer("draft_vocab", draft_vocab.long().clone())  # [V_draft] target ids, saved with the heads
-        # Not saved: rebuilt from the target at load time, so the base model's weights never enter a head directory.
-        self.register_buffer("draft_lm_weight", lm_head_weight.detach()[draft_vocab].clone(), persistent=False)
-        to_draft = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long)
-        to_draft[draft_vocab] = torch.arange(len(draft_vocab))
-        self.register_buffer("target_to_draft", to_draft, persistent=False)  # [V] draft index or -1
+        self.attach_draft_vocab(target.model.get_output_embeddings().weight, draft_vocab)
 
     @property
     def num_heads(self) -> int:
@@ -59,29 +86,10 @@ class MedusaHeads(torch.nn.Module):
         """[..., H] -> [K, ..., H]."""
         return torch.stack([head(hidden) for head in self.heads])
 
-    def draft_logits(self, states: torch.Tensor) -> torch.Tensor:
-        """[..., H] head states -> [..., V_draft] logits over the draft vocabulary."""
-        return states @ self.draft_lm_weight.to(states.dtype).T
-
     def topk_target_ids(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """[H] last hidden state -> [K, k] target token ids, each head's top-k (best first)."""
         logits = self.draft_logits(self.head_states(hidden.to(self.draft_lm_weight.dtype)))  # [K, V_draft]
         return self.draft_vocab[logits.topk(k, dim=-1).indices]
-
-
-def full_vocab(target: Target) -> torch.Tensor:
-    return torch.arange(target.vocab_size)
-
-
-def expected_gains(tree_values: list[float], cost_curve: CostCurve, max_nodes: int) -> int:
-    """The node count n (root included) maximising (1 + sum of the first n - 1 node values) / cost(n)."""
-    best_n, best_value, expected = 1, 1.0 / cost_curve.cost(1), 1.0
-    for index, value in enumerate(tree_values[: max_nodes - 1]):
-        expected += value
-        gain = expected / cost_curve.cost(index + 2)
-        if gain > best_value:
-            best_n, best_value = index + 2, gain
-    return best_n
 
 
 class TreeTemplate:
@@ -91,7 +99,8 @@ class TreeTemplate:
         node_of = {(): 0}
         parents, flat = [-1], []
         for path in paths:
-            assert path[:-1] in node_of, f"tree path {path} comes before its parent"
+            if path[:-1] not in node_of:
+                raise SelfspecError(f"the Medusa tree lists path {path} before its parent: rebuild it with `selfspec medusa-tree`")
             node_of[path] = len(parents)
             parents.append(node_of[path[:-1]])
             flat.append((len(path) - 1) * max_rank + path[-1])  # row (head) * ranks + rank in [K, max_rank]
@@ -107,21 +116,20 @@ class TreeTemplate:
         return DraftTree(tokens=torch.cat([root, tokens]), parents=self.parents)
 
 
-@register_drafter("medusa")
+@register_drafter("medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa")
 class MedusaDrafter(Drafter):
     hidden_layers = (-1,)
 
-    def __init__(self, target: Target, cost_curve: CostCurve, heads: MedusaHeads, tree: dict, max_nodes: int | None = None):
-        super().__init__(target, cost_curve)
+    def __init__(self, target: Target, cost_curve: CostCurve, heads: MedusaHeads, tree: dict,
+                 options: MedusaOptions = MedusaOptions()):
+        super().__init__(target, cost_curve, options)
         self.heads = heads.to(target.device).eval().requires_grad_(False)
         paths = [tuple(path) for path in tree.get("paths", [])]
         values = [float(v) for v in tree.get("values", [])]
         if not paths or len(paths) != len(values):
             raise SelfspecError("the Medusa heads carry no tree: build one with `selfspec medusa-tree --heads DIR`")
-        if max_nodes is not None and max_nodes < 1:
-            raise SelfspecError(f"max_nodes must be >= 1, got {max_nodes}")
-        limit = max_nodes if max_nodes is not None else len(paths) + 1
-        self.tree_nodes = max_nodes if max_nodes is not None else expected_gains(values, cost_curve, limit)
+        max_nodes = options.max_nodes
+        self.tree_nodes = max_nodes if max_nodes is not None else cost_curve.best_size(values)[0]
         paths = [p for p in paths[: self.tree_nodes - 1] if max(p) < heads.config.max_rank and len(p) <= heads.num_heads]
         self.tree_nodes = len(paths) + 1
         self.max_rank = 1 + max((max(p) for p in paths), default=0)
@@ -129,21 +137,11 @@ class MedusaDrafter(Drafter):
         self.reset()
 
     @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, **options) -> "MedusaDrafter":
-        heads_dir = heads_dir or find_shipped_head(target, "medusa", MedusaConfig)
-        artifact = load_head(heads_dir, "medusa", MedusaConfig, target)
-        draft_vocab = artifact.state.get("draft_vocab")
-        if draft_vocab is None or draft_vocab.dim() != 1 or int(draft_vocab.max()) >= target.vocab_size:
-            raise SelfspecError(f"'{heads_dir}': missing or invalid draft_vocab")
-        lm_weight = target.model.get_output_embeddings().weight
-        heads = MedusaHeads(artifact.config, lm_weight, draft_vocab)
-        load_state_strict(heads, artifact.state, heads_dir)
-        if (heads_dir / ADAPTER).is_dir():
-            merge_adapter(target, heads_dir / ADAPTER)
-        try:
-            return cls(target, cost_curve, heads.to(target.dtype), artifact.extra.get("tree", {}), **options)
-        except TypeError as error:
-            raise SelfspecError(f"bad option for drafter 'medusa': {error}") from None
+    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: MedusaOptions) -> "MedusaDrafter":
+        loaded = load_vocab_head(target, heads_dir, "medusa", MedusaConfig, MedusaHeads)
+        if (loaded.directory / ADAPTER).is_dir():
+            merge_adapter(target, loaded.directory / ADAPTER)
+        return cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
 
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root

@@ -7,6 +7,8 @@ Draft length follows the machine's cost curve and a running estimate of how ofte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
@@ -17,27 +19,31 @@ _DECAY = 0.9  # weight of history in the running acceptance estimate
 _RECOVERY = 0.05  # per step without a draft, the share of the gap to the prior the estimate closes
 
 
-@register_drafter("ngram")
+@dataclass(frozen=True)
+class NgramOptions:
+    max_ngram: int = 4  # longest n-gram looked up (longer matches first)
+    min_ngram: int = 1
+    max_candidates: int = 3  # continuations (tree branches) per step
+    max_draft: int = 16  # longest continuation
+    prior_acceptance: float = 0.6  # the acceptance estimate a request starts from
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise SelfspecError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+        if self.max_candidates < 1 or self.max_draft < 1:
+            raise SelfspecError("ngram: max_candidates and max_draft must be >= 1")
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            raise SelfspecError(f"ngram: prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
+
+
+@register_drafter("ngram", options=NgramOptions)
 class NgramDrafter(Drafter):
-    def __init__(
-        self,
-        target: Target,
-        cost_curve: CostCurve,
-        max_ngram: int = 4,
-        min_ngram: int = 1,
-        max_candidates: int = 3,
-        max_draft: int = 16,
-        prior_acceptance: float = 0.6,
-    ):
-        super().__init__(target, cost_curve)
-        if not 1 <= min_ngram <= max_ngram:
-            raise SelfspecError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
-        if max_candidates < 1 or max_draft < 1:
-            raise SelfspecError("max_candidates and max_draft must be >= 1")
-        self.ngram_sizes = tuple(range(max_ngram, min_ngram - 1, -1))  # longest first
-        self.max_candidates = max_candidates
-        self.max_draft = max_draft
-        self.prior_acceptance = prior_acceptance
+    def __init__(self, target: Target, cost_curve: CostCurve, options: NgramOptions = NgramOptions()):
+        super().__init__(target, cost_curve, options)
+        self.ngram_sizes = tuple(range(options.max_ngram, options.min_ngram - 1, -1))  # longest first
+        self.max_candidates = options.max_candidates
+        self.max_draft = options.max_draft
+        self.prior_acceptance = options.prior_acceptance
         self.reset()
 
     def reset(self) -> None:

@@ -9,9 +9,7 @@ target would say rather than what ShareGPT's authors said.
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
+from ..files import atomic_write_text
 from ..models import Target
 from .sharegpt import _ROLES, Conversation, load_sharegpt
 
@@ -78,15 +77,6 @@ def _record_to_conversation(record, where: str) -> Conversation:
     return Conversation(id=str(record.get("id", where)), messages=tuple(messages))
 
 
-def _render_ids(target: Target, messages: list[dict], generation_prompt: bool) -> list[int]:
-    tokenizer = target.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    text = "\n".join(message["content"] for message in messages) + ("\n" if generation_prompt else "")
-    return tokenizer(text)["input_ids"]
-
-
 def tokenize_conversation(target: Target, conversation: Conversation, max_length: int) -> Example | None:
     """Render through the chat template; the loss mask covers the assistant turns' tokens (their end marker too).
 
@@ -97,16 +87,16 @@ def tokenize_conversation(target: Target, conversation: Conversation, max_length
         raise SelfspecError("training data needs the target's tokenizer")
     messages = list(conversation.messages)
     if not getattr(target.tokenizer, "chat_template", None) and len(messages) == 1:
-        ids = _render_ids(target, messages, False)
+        ids = target.render_chat(messages, False)
         mask = [True] * len(ids)
     else:
-        ids = _render_ids(target, messages, False)
+        ids = target.render_chat(messages, False)
         mask = [False] * len(ids)
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(_render_ids(target, messages[:index], True)) if index else 0
-            end = min(len(_render_ids(target, messages[: index + 1], False)), len(ids))
+            start = len(target.render_chat(messages[:index], True)) if index else 0
+            end = min(len(target.render_chat(messages[: index + 1], False)), len(ids))
             mask[start:end] = [True] * max(0, end - start)
     ids, mask = ids[:max_length], mask[:max_length]
     if len(ids) < 2 or not any(mask[1:]):
@@ -152,7 +142,7 @@ def regenerate(
         prompt = _first_exchange(conversation)
         if prompt is None or conversation.id in done:
             continue
-        ids = _render_ids(target, prompt, True)
+        ids = target.render_chat(prompt, True)
         if len(ids) <= max_prompt_tokens:
             todo.append((conversation.id, prompt, ids))
     # Similar lengths share a batch (less padding), sorted within windows so an interrupted run is still a sample.
@@ -206,14 +196,5 @@ def _completed_ids(path: Path) -> set[str]:
             good.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             break  # a torn line from an interruption: drop it and everything after
-    _atomic_write_text(path, "".join(line + "\n" for line in good))
+    atomic_write_text(path, "".join(line + "\n" for line in good))
     return ids
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(handle, "w", encoding="utf-8") as file:
-        file.write(text)
-    os.chmod(temp, 0o644)  # mkstemp makes 0600 files; these are ordinary outputs
-    os.replace(temp, path)

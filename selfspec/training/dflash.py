@@ -8,18 +8,16 @@ sees the context rows before its anchor and its own block, exactly what it sees 
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 
 import torch
 
 from ..errors import SelfspecError
-from ..heads.artifacts import save_head
-from ..heads.dflash import DFlashHead, resolve_feature_layers
+from ..heads.dflash import DFlashConfig, DFlashHead, resolve_feature_layers
 from ..models import Target
-from .config import DFlashConfig, RecipeConfig
+from .config import RecipeConfig
 from .losses import draft_vocabulary
-from .trainer import Batch, TrainableHead, train
+from .stages import recipe_data, train_and_save
+from .trainer import Batch, TrainableHead
 
 METRIC_POSITIONS = (1, 2, 4, 8)  # block positions whose top-1 agreement the progress bar shows
 
@@ -108,29 +106,12 @@ def training_mask(anchors: torch.Tensor, length: int, block: int, dtype: torch.d
 
 
 def train_dflash(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
-    from .pipeline import checkpoint_dir, recipe_data
-
     dflash = config.dflash
     layers = resolve_feature_layers(dflash, target.config.num_hidden_layers)
     dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers})  # stored resolved, so loading needs no rule
     data = recipe_data(target, config, layers, timings)
-    train_data = data.train
-    draft_vocab = draft_vocabulary(train_data.sample, dflash.draft_vocab_size, target.vocab_size)
+    draft_vocab = draft_vocabulary(data.train.sample, dflash.draft_vocab_size, target.vocab_size)
     head = DFlashHead(dflash, target, draft_vocab).float()
     head.init_from_target(target)
     module = DFlashTraining(head, dflash)
-    began = time.perf_counter()
-    summary = train(module, train_data.count, train_data.get, config.train, checkpoint_dir(config), resume, max_steps)
-    timings["train_s"] = round(time.perf_counter() - began, 1)
-    save_head(Path(config.out), "dflash", dflash, head.state_dict(), target.fingerprint, {})
-    return {
-        "drafter": "dflash",
-        "training_sequences": train_data.count,
-        "calibration_sequences_unused": len(data.calibration_examples),
-        "feature_layers": list(layers),
-        "draft_vocab_size": len(draft_vocab),
-        "steps": summary.steps,
-        "resumed_from": summary.resumed_from,
-        "final_loss": round(summary.final_loss, 4),
-        "final_metrics": {k: round(v, 4) for k, v in summary.final_metrics.items()},
-    }
+    return train_and_save(target, config, head, module, dflash, data, timings, resume, max_steps, feature_layers=list(layers))

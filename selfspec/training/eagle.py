@@ -5,19 +5,17 @@ unrolled over several draft steps on its own features (EAGLE-3's training-time t
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from ..errors import SelfspecError
-from ..heads.artifacts import save_head
-from ..heads.eagle import EagleHead
+from ..heads.eagle import EagleConfig, EagleHead
 from ..models import Target
-from .config import EagleConfig, RecipeConfig
+from .config import RecipeConfig
 from .losses import draft_vocabulary, soft_cross_entropy
-from .trainer import Batch, TrainableHead, train
+from .stages import recipe_data, train_and_save
+from .trainer import Batch, TrainableHead
 
 LAYERS = (-1,)
 
@@ -89,28 +87,10 @@ def unrolled_mask(rows: int, step: int, dtype: torch.dtype, device) -> torch.Ten
 
 
 def train_eagle(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
-    from .pipeline import checkpoint_dir, recipe_data
-
     eagle = config.eagle
     if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
         raise SelfspecError("eagle: top_k, depth and max_tree_nodes must be >= 1")
     data = recipe_data(target, config, LAYERS, timings)
-    train_data = data.train
-
-    draft_vocab = draft_vocabulary(train_data.sample, eagle.draft_vocab_size, target.vocab_size)
+    draft_vocab = draft_vocabulary(data.train.sample, eagle.draft_vocab_size, target.vocab_size)
     head = EagleHead(eagle, target, draft_vocab).float()
-    module = EagleTraining(head, eagle)
-    began = time.perf_counter()
-    summary = train(module, train_data.count, train_data.get, config.train, checkpoint_dir(config), resume, max_steps)
-    timings["train_s"] = round(time.perf_counter() - began, 1)
-    save_head(Path(config.out), "eagle", eagle, head.state_dict(), target.fingerprint, {})
-    return {
-        "drafter": "eagle",
-        "training_sequences": train_data.count,
-        "calibration_sequences_unused": len(data.calibration_examples),
-        "draft_vocab_size": len(draft_vocab),
-        "steps": summary.steps,
-        "resumed_from": summary.resumed_from,
-        "final_loss": round(summary.final_loss, 4),
-        "final_metrics": {k: round(v, 4) for k, v in summary.final_metrics.items()},
-    }
+    return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)

@@ -9,19 +9,17 @@ continues after the last one) or computed on the fly per batch (`storage: stream
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
+from ..files import atomic_write, atomic_write_text
 from ..models import Target
-from .data import Example, _atomic_write_text
+from .data import Example
 
 MANIFEST = "manifest.json"
 
@@ -98,10 +96,7 @@ def _save_shard(path: Path, sequences: list[LabeledSequence]) -> None:
     }
     for layer in sequences[0].hidden:
         tensors[f"hidden.{layer}"] = torch.cat([s.hidden[layer] for s in sequences])
-    handle, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(handle)
-    save_file(tensors, temp)
-    os.replace(temp, path)
+    atomic_write(path, lambda temp: save_file(tensors, str(temp)))
 
 
 def load_label_cache(directory: Path) -> list[LabeledSequence]:
@@ -129,10 +124,5 @@ def load_label_cache(directory: Path) -> list[LabeledSequence]:
     return sequences
 
 
-def stream_labels(target: Target, examples: list[Example], layers: tuple[int, ...], top_k: int) -> Iterator[LabeledSequence]:
-    for example in examples:
-        yield label_sequence(target, example, layers, top_k)
-
-
 def _write_json(path: Path, data: dict) -> None:
-    _atomic_write_text(path, json.dumps(data, indent=1))
+    atomic_write_text(path, json.dumps(data, indent=1))

@@ -33,6 +33,7 @@ from ..decoding import speculative_generate
 from ..errors import SelfspecError
 from ..heads.layerskip import (
     LayerSkipDrafter,
+    LayerSkipSettings,
     SkipPlan,
     SkippingForward,
     TunedSkipSet,
@@ -41,8 +42,7 @@ from ..heads.layerskip import (
     save_skip_file,
 )
 from ..models import Target
-from .config import LayerSkipSettings
-from .data import _render_ids, load_conversations, tokenize_conversation
+from .data import load_conversations, tokenize_conversation
 from .losses import most_frequent
 
 
@@ -75,7 +75,7 @@ def build_calibration(target: Target, options: TuneOptions) -> Calibration:
     for conversation in conversations:
         first_user = next((m for m in conversation.messages if m["role"] == "user"), None)
         if first_user is not None and len(prompts) < options.prompts:
-            ids = _render_ids(target, [first_user], True)
+            ids = target.render_chat([first_user], True)
             if 8 <= len(ids) <= 256:
                 prompts.append(ids)
         example = tokenize_conversation(target, conversation, max_length=512)
@@ -127,13 +127,8 @@ def draft_cost(target: Target, plan: SkipPlan, draft_vocab_size: int) -> float:
 def estimated_speedup(agreement: float, cost: float, max_draft: int, curve: CostCurve) -> tuple[float, int]:
     """(speed-up over plain decoding, chain length) for the best chain of 1 to `max_draft` tokens, each draft token
     accepted with probability `agreement`, independently. Below 1 where no chain pays; it still ranks trials."""
-    best, best_k, expected = 0.0, 1, 1.0
-    for k in range(1, max_draft + 1):
-        expected += agreement**k
-        value = expected / (k * cost + curve.cost(k + 1))
-        if value > best:
-            best, best_k = value, k
-    return best * curve.cost(1), best_k
+    size, rate = curve.best_size([agreement**k for k in range(1, max_draft + 1)], draft_cost_per_node=cost, min_size=2)
+    return rate * curve.cost(1), size - 1
 
 
 def measure_speed(target: Target, drafter, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float]:

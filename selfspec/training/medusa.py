@@ -8,10 +8,10 @@ state at t and predicts token t + k + 2, so its label is the target's distributi
 from __future__ import annotations
 
 import heapq
+
 import torch
 
-from ..heads.medusa import MedusaHeads
-from .config import LoraConfig
+from ..heads.medusa import MedusaHeads, MedusaLoraConfig
 from .labels import LabeledSequence
 from .losses import soft_cross_entropy
 from .trainer import Batch, TrainableHead
@@ -34,7 +34,7 @@ def shifted_labels(batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor, to
 class MedusaTraining(TrainableHead):
     """Heads (+ optionally a LoRA-adapted base for Medusa-2) with the self-distillation loss."""
 
-    def __init__(self, heads: MedusaHeads, head_decay: float, base: torch.nn.Module | None = None, lora: LoraConfig | None = None):
+    def __init__(self, heads: MedusaHeads, head_decay: float, base: torch.nn.Module | None = None, lora: MedusaLoraConfig | None = None):
         super().__init__()
         self.heads = heads
         self.head_decay = head_decay
@@ -50,7 +50,7 @@ class MedusaTraining(TrainableHead):
             outputs = self.base(input_ids=batch.input_ids, attention_mask=batch.valid.long(), output_hidden_states=True)
             hidden = outputs.hidden_states[-1]
             total = total + self.distill_weight * self._keep_base_outputs(outputs.logits, batch)
-            metrics["kl"] = float(total.detach())
+            metrics["base_ce"] = float(total.detach())
         for k, head in enumerate(self.heads.heads):
             rows, target_ids, target_probs = shifted_labels(batch, k)
             if len(rows) == 0:

@@ -6,28 +6,28 @@ import json
 import time
 from pathlib import Path
 
-import torch
 
 from ..errors import SelfspecError
+from ..files import atomic_write_text
 from ..heads.artifacts import CONFIG, load_head, save_head
-from ..heads.medusa import MedusaHeads
+from ..heads.medusa import MedusaConfig, MedusaHeads
 from ..models import Target
-from .config import MedusaConfig, RecipeConfig
-from .data import _atomic_write_text, load_conversations, tokenize_conversation
+from .config import RecipeConfig
+from .data import load_conversations, tokenize_conversation
 from .labels import label_sequence
 from .losses import draft_vocabulary
 from .medusa import MedusaTraining, best_tree, head_accuracies
-from .pipeline import checkpoint_dir, recipe_data
+from .stages import checkpoint_dir, recipe_data
 from .trainer import train
 
 LAYERS = (-1,)
 
 
 def _with_lora(target: Target, medusa: MedusaConfig):
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model
 
     lora = medusa.lora
-    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
     return get_peft_model(target.model, peft_config)
 
 
@@ -39,8 +39,7 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     train_data, calibration = data.train, data.calibration
 
     draft_vocab = draft_vocabulary(train_data.sample, medusa.draft_vocab_size, target.vocab_size)
-    lm_weight = target.model.get_output_embeddings().weight
-    heads = MedusaHeads(medusa, lm_weight.float(), draft_vocab)
+    heads = MedusaHeads(medusa, target, draft_vocab).float()
     base = None
     if medusa.lora is not None:
         base = _with_lora(target, medusa)  # only the adapters train; the original labels were recorded before this
@@ -81,7 +80,7 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
 def rebuild_tree(target: Target, heads_dir: Path, source: str, conversations: int, max_nodes: int, max_length: int = 512) -> dict:
     """`selfspec medusa-tree`: re-measure the heads' top-k accuracies on `source` and rewrite the tree data."""
     artifact = load_head(heads_dir, "medusa", MedusaConfig, target)
-    heads = MedusaHeads(artifact.config, target.model.get_output_embeddings().weight.float(), artifact.state["draft_vocab"])
+    heads = MedusaHeads(artifact.config, target, artifact.state["draft_vocab"]).float()
     heads.load_state_dict(artifact.state, strict=True)
     examples = [e for e in (tokenize_conversation(target, c, max_length) for c in load_conversations(source, conversations)) if e]
     if not examples:
@@ -92,5 +91,5 @@ def rebuild_tree(target: Target, heads_dir: Path, source: str, conversations: in
     document = json.loads((heads_dir / CONFIG).read_text())
     document["data"]["tree"] = {"paths": [list(p) for p in paths], "values": [round(v, 5) for v in values]}
     document["data"]["accuracies"] = [[round(a, 4) for a in row] for row in accuracies.tolist()]
-    _atomic_write_text(heads_dir / CONFIG, json.dumps(document, indent=1) + "\n")
+    atomic_write_text(heads_dir / CONFIG, json.dumps(document, indent=1) + "\n")
     return {"sequences": len(sequences), "nodes": len(paths) + 1, "accuracies": document["data"]["accuracies"]}

@@ -6,95 +6,30 @@ Every stage keeps its output under the work directory, so an interrupted run pic
 
 from __future__ import annotations
 
+import importlib
 import json
-import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
+from ..decoding import speculative_generate
 from ..errors import SelfspecError
-from ..models import Target, load_target
-from .config import RecipeConfig, to_dict
-from .data import Example, load_conversations, regenerate, tokenize_conversation
-from .labels import LabeledSequence, build_label_cache, label_sequence, load_label_cache
+from ..files import atomic_write_text
+from ..heads import create_drafter, drafter_entry, drafter_names
+from ..models import load_target
+from ..options import to_dict
+from ..sampling import SamplingConfig
+from .config import RecipeConfig
 from .sharegpt import load_sharegpt
 
 REPORT = "training_report.json"
 
 
-@dataclass(frozen=True)
-class LabeledData:
-    count: int
-    get: object  # Callable[[int], LabeledSequence]
-    sample: list[LabeledSequence]  # labelled sequences held in memory (all when cached; a prefix when streaming)
-
-
-def prepare_examples(target: Target, config: RecipeConfig) -> tuple[list[Example], list[Example]]:
-    """(training examples, calibration examples). Reads only the ShareGPT training split."""
-    data = config.data
-    conversations = load_conversations(data.source, limit=data.conversations, seed=data.seed)
-    if data.regenerate:
-        path = regenerate(
-            target, conversations, config.work_path / "regenerated.jsonl",
-            max_prompt_tokens=data.max_prompt_tokens, max_new_tokens=data.max_new_tokens,
-            batch_size=data.regenerate_batch_size, engine=data.regenerate_engine,
-        )
-        # Keep the sample's order (not the file's batch order), so an interrupted or re-batched run gives the same data.
-        rank = {conversation.id: index for index, conversation in enumerate(conversations)}
-        conversations = sorted((c for c in load_conversations(str(path)) if c.id in rank), key=lambda c: rank[c.id])
-    examples = [e for e in (tokenize_conversation(target, c, data.max_length) for c in conversations) if e is not None]
-    if len(examples) < 2:
-        raise SelfspecError(f"only {len(examples)} usable training sequences: use more conversations")
-    calibration = max(1, math.ceil(len(examples) * data.calibration_fraction))
-    tqdm.write(f"data: {len(examples) - calibration} training and {calibration} calibration sequences")
-    return examples[:-calibration], examples[-calibration:]
-
-
-def label_examples(target: Target, examples: list[Example], config: RecipeConfig, name: str, layers: tuple[int, ...]) -> LabeledData:
-    labels = config.labels
-    if labels.storage == "cache":
-        directory = build_label_cache(target, examples, config.work_path / f"labels-{name}", layers, labels.top_k, labels.shard_examples)
-        sequences = load_label_cache(directory)
-        return LabeledData(len(sequences), sequences.__getitem__, sequences)
-    if labels.storage == "stream":
-        sample = [label_sequence(target, e, layers, labels.top_k) for e in examples[: min(len(examples), 256)]]
-        return LabeledData(len(examples), lambda i: label_sequence(target, examples[i], layers, labels.top_k), sample)
-    raise SelfspecError(f"labels.storage must be 'cache' or 'stream', got '{labels.storage}'")
-
-
-@dataclass(frozen=True)
-class RecipeData:
-    train: LabeledData
-    calibration_examples: list[Example]
-    calibration: list[LabeledSequence] | None  # labelled calibration sequences, when asked for
-
-
-def recipe_data(target: Target, config: RecipeConfig, layers: tuple[int, ...], timings: dict, label_calibration: bool = False) -> RecipeData:
-    """Examples and labels for a recipe (the shared first stages), timing each into `timings`."""
-    began = time.perf_counter()
-    train_examples, calibration_examples = prepare_examples(target, config)
-    timings["data_s"] = round(time.perf_counter() - began, 1)
-    began = time.perf_counter()
-    train_data = label_examples(target, train_examples, config, "train", layers)
-    calibration = label_examples(target, calibration_examples, config, "calibration", layers).sample if label_calibration else None
-    timings["labels_s"] = round(time.perf_counter() - began, 1)
-    return RecipeData(train_data, calibration_examples, calibration)
-
-
-def checkpoint_dir(config: RecipeConfig) -> Path:
-    """Per output, so recipes sharing a work_dir (and its data and labels) never resume each other's checkpoints."""
-    return config.work_path / f"checkpoints-{Path(config.out).name}"
-
-
 def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dict:
     """Mean accepted length of the trained drafter on held-out ShareGPT prompts, greedy, with the real decoder."""
-    from ..decoding import speculative_generate
-    from ..heads import create_drafter
-    from ..sampling import SamplingConfig
-
     if config.eval.heldout_prompts <= 0:
         return {}
     target = load_target(config.model)  # fresh: Medusa-2 merges its adapter into the target it is given
@@ -121,26 +56,27 @@ def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dic
 
 
 def write_report(heads_dir: Path, report: dict) -> None:
-    from .data import _atomic_write_text
+    atomic_write_text(heads_dir / REPORT, json.dumps(report, indent=1) + "\n")
 
-    _atomic_write_text(heads_dir / REPORT, json.dumps(report, indent=1) + "\n")
+
+def resolve_recipe(drafter: str) -> Callable:
+    """The training recipe a drafter registered ("module:function"), imported now."""
+    entry = drafter_entry(drafter)
+    trainable = [name for name in drafter_names() if drafter_entry(name).recipe]
+    if entry.recipe is None:
+        raise SelfspecError(f"no training recipe for drafter '{drafter}': choose one of {', '.join(trainable)}")
+    module, _, function = entry.recipe.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def run_recipe(config: RecipeConfig, resume: bool = False, max_steps: int | None = None) -> dict:
     """Run a whole training recipe; returns the report that is also written beside the weights."""
-    from .dflash import train_dflash
-    from .eagle import train_eagle
-    from .medusa_recipe import train_medusa
-
-    recipes = {"medusa": train_medusa, "eagle": train_eagle, "dflash": train_dflash}
-    if config.drafter not in recipes:
-        raise SelfspecError(f"no training recipe for drafter '{config.drafter}': choose one of {', '.join(recipes)}")
-
+    recipe = resolve_recipe(config.drafter)
     torch.manual_seed(config.train.seed)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     target = load_target(config.model)
-    report = recipes[config.drafter](target, config, resume, max_steps, timings)
+    report = recipe(target, config, resume, max_steps, timings)
     began = time.perf_counter()
     report["heldout"] = evaluate_heldout(Path(config.out), config.drafter, config)
     timings["heldout_eval_s"] = round(time.perf_counter() - began, 1)

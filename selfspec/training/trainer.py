@@ -10,9 +10,7 @@ from __future__ import annotations
 import abc
 import glob
 import math
-import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
+from ..files import atomic_write
 from .config import TrainConfig
 from .labels import LabeledSequence
 
@@ -173,10 +172,7 @@ def _save_checkpoint(directory: Path, step: int, head, optimizer, scheduler, kee
         "scheduler": scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
     }
-    handle, temp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    os.close(handle)
-    torch.save(state, temp)
-    os.replace(temp, directory / f"step-{step}.pt")
+    atomic_write(directory / f"step-{step}.pt", lambda temp: torch.save(state, temp))
     for old in sorted(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
         old.unlink()
 

@@ -19,7 +19,8 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
             continue  # layers that share another layer's KV hold nothing of their own
         stored = layer.keys.shape[-2]
         base = stored - n_nodes  # where the tree starts in this layer's storage
-        assert base >= 0, "cache holds fewer positions than the tree that was just forwarded"
+        if base < 0:
+            raise RuntimeError(f"the cache holds {stored} positions, fewer than the {n_nodes}-node tree just forwarded")
         if is_chain_prefix:
             layer.keys = layer.keys[..., : base + kept, :]
             layer.values = layer.values[..., : base + kept, :]

@@ -18,7 +18,6 @@ class TreeInputs:
     # [1, 1, n, prefix_len + n] additive: 0 = visible, dtype min = hidden. None for a chain: plain causal attention,
     # which the model builds itself and runs on the same kernels as ordinary decoding.
     attention_mask: torch.Tensor | None
-    prefix_len: int  # tokens already in the KV cache
 
 
 def ancestor_matrix(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -57,7 +56,6 @@ def build_tree_inputs(
         input_ids=tree.tokens.to(device).view(1, n),
         position_ids=(prefix_len + depths).view(1, n),
         attention_mask=mask,
-        prefix_len=prefix_len,
     )
 
 

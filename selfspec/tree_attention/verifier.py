@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import SelfspecError
 from ..sampling import SamplingConfig, logits_to_probs
 from .tree import DraftTree
 
@@ -46,7 +47,8 @@ def verify(
     generator: torch.Generator | None = None,
 ) -> VerifyResult:
     """Pure function: the accepted path and the target's extra token. Randomness comes only from `generator`."""
-    assert target_logits.dim() == 2 and target_logits.shape[0] == tree.size, "need one row of logits per tree node"
+    if target_logits.dim() != 2 or target_logits.shape[0] != tree.size:
+        raise SelfspecError(f"verify needs one row of logits per tree node ([{tree.size}, V]), got {tuple(target_logits.shape)}")
     if sampling.greedy:
         return _verify_greedy(tree, target_logits)
     return _verify_sampling(tree, logits_to_probs(target_logits, sampling), generator)
@@ -76,56 +78,83 @@ def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult
 def _verify_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
     tokens = tree.token_list
     vocab = probs.shape[-1]
+    # The step's uniforms in one draw: each child is tried at most once, so n - 1 of them always suffice.
+    uniforms = iter(torch.rand(max(1, tree.size - 1), generator=generator, device=probs.device).tolist())
+    if tree.draft_probs is None:
+        # p(x) of every node's token under its parent's distribution, on the host in one copy (ids outside the
+        # vocabulary are clamped here and never tried below).
+        rows = tree.parents.to(probs.device).clamp(min=0)
+        p_of_node = probs[rows, tree.tokens.to(probs.device).clamp(0, vocab - 1)].tolist()
     path = [0]
     while True:
         node = path[-1]
         children = [c for c in tree.children(node) if 0 <= tokens[c] < vocab]  # ids outside the vocab never win
         if tree.draft_probs is None:
-            accepted, residual = _try_deterministic(children, tokens, probs[node], generator)
+            accepted, removed = _try_deterministic(children, tokens, p_of_node, uniforms)
+            residual = _without(probs[node], removed)
         else:
             q = tree.draft_probs[node].to(device=probs.device, dtype=probs.dtype)
-            accepted, residual = _try_drawn(children, tokens, probs[node], q, tree.without_replacement, generator)
+            accepted, residual = _try_drawn(children, tokens, probs[node], q, tree.without_replacement, uniforms)
         if accepted is None:
             return _result(tree, tokens, path, _draw(residual, generator))
         path.append(accepted)
 
 
-def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
-    """r ~ U[0, 1). r == 0 is possible; acceptance tests use strict `<` so p(x) = 0 never accepts."""
-    return torch.rand((), generator=generator, device=device).item()
+def _try_deterministic(children: list[int], tokens: list[int], p_of_node: list[float], uniforms):
+    """Children chosen without randomness: accept x with probability p(x) under p with the earlier rejected
+    tokens removed and renormalised. Host arithmetic on the p(x) values. Returns (accepted child or None, the
+    rejected tokens)."""
+    removed: dict[int, float] = {}  # rejected token -> its p
+    for child in children:
+        x = tokens[child]
+        left = 1.0 - sum(removed.values())
+        p_x = 0.0 if x in removed else p_of_node[child] / left
+        if next(uniforms) < p_x:  # strict: p(x) = 0 never accepts, even when r is exactly 0
+            return child, removed
+        if x not in removed and left - p_of_node[child] > _MIN_MASS:  # an emptied p is kept as it was
+            removed[x] = p_of_node[child]
+    return None, removed
+
+
+def _without(p: torch.Tensor, removed: dict[int, float]) -> torch.Tensor:
+    """p with the rejected tokens' mass removed (multinomial renormalises)."""
+    if not removed:
+        return p
+    residual = p.clone()
+    residual[torch.tensor(list(removed), device=p.device)] = 0.0
+    return residual
 
 
 def _renormalise(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """residual / its mass, on the device (no sync). Zero mass happens only when p == q up to rounding, where
+    rejection had probability ~0: keep the fallback then."""
     mass = residual.sum()
-    # Zero mass happens only when p == q up to rounding, where rejection had probability ~0: keep p.
-    return residual / mass if mass.item() > _MIN_MASS else fallback
+    return torch.where(mass > _MIN_MASS, residual / mass.clamp_min(_MIN_MASS), fallback)
 
 
-def _try_deterministic(children: list[int], tokens: list[int], p: torch.Tensor, generator):
-    """Children chosen without randomness: accept x with probability p(x), else remove x from p."""
+def _try_drawn(children: list[int], tokens: list[int], p: torch.Tensor, q: torch.Tensor, without_replacement, uniforms):
+    """Children drawn from q: accept x if r < p(x)/q(x), else p <- norm(max(p - q, 0)) (and q without x, when drawn
+    without replacement). Every child's residuals are computed on the device first, then copied to the host once.
+    Returns (accepted child or None, the residual p to draw from when none is accepted)."""
+    p_values, q_values = [], []
     for child in children:
         x = tokens[child]
-        if _uniform(generator, p.device) < p[x].item():
-            return child, p
-        residual = p.clone()
-        residual[x] = 0.0
-        p = _renormalise(residual, p)
-    return None, p
-
-
-def _try_drawn(children: list[int], tokens: list[int], p: torch.Tensor, q: torch.Tensor, without_replacement, generator):
-    """Children drawn from q: accept x if r < p(x)/q(x), else p <- norm(max(p - q, 0))."""
-    for child in children:
-        x = tokens[child]
-        q_x = q[x].item()
-        assert q_x > 0, f"token {x} was drafted but has zero draft probability: the drafter's q is inconsistent"
-        if _uniform(generator, p.device) * q_x < p[x].item():
-            return child, p
+        p_values.append(p[x])
+        q_values.append(q[x])
         p = _renormalise((p - q).clamp_min(0.0), p)
         if without_replacement:
             q = q.clone()
             q[x] = 0.0
             q = _renormalise(q, q)
+    if not children:
+        return None, p
+    p_host, q_host = torch.stack([torch.stack(p_values), torch.stack(q_values)]).tolist()
+    for index, child in enumerate(children):
+        if q_host[index] <= 0:
+            raise SelfspecError(f"token {tokens[child]} was drafted but has zero draft probability: the drafter's q "
+                                "is inconsistent with its tree")
+        if next(uniforms) * q_host[index] < p_host[index]:
+            return child, p
     return None, p
 
 

@@ -1,0 +1,72 @@
+"""The package's layering, read from its source: heads/ never imports training/ (nor any other layer above it),
+drafters do not import each other, and the module import graph has no cycle (lazy imports inside functions count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import selfspec
+
+PACKAGE = Path(selfspec.__file__).parent
+SHARED_HEAD_MODULES = {"selfspec.heads", "selfspec.heads.base", "selfspec.heads.artifacts", "selfspec.heads.vocab"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the selfspec modules it imports (absolute, relative, at top level or inside functions)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(max(0, node.level - 1)):
+                    base = base.rpartition(".")[0]
+                source = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+                for alias in node.names:
+                    candidate = f"{source}.{alias.name}"
+                    edges.add(candidate if candidate in modules else source)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[name] = {edge for edge in edges if edge in modules and edge != name}
+    return graph
+
+
+def test_heads_import_nothing_above_them_and_not_each_other():
+    graph = import_graph()
+    for module, imports in graph.items():
+        if not module.startswith("selfspec.heads"):
+            continue
+        upward = sorted(i for i in imports if i.startswith(("selfspec.training", "selfspec.bench", "selfspec.cli", "selfspec.api")))
+        assert not upward, f"{module} imports {upward}: heads/ must not depend on the layers that use it"
+        if module not in SHARED_HEAD_MODULES:
+            siblings = sorted(i for i in imports if i.startswith("selfspec.heads.") and i not in SHARED_HEAD_MODULES)
+            assert not siblings, f"drafter module {module} imports other drafters {siblings}: share through base/vocab"
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    # A package __init__ that re-exports its modules is not a cycle of logic: drop package -> own-submodule edges.
+    graph = {m: {i for i in imports if not i.startswith(m + ".")} for m, imports in graph.items()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                cycle = path[path.index(imported):] + [imported]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if imported not in state:
+                visit(imported, path + [imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
