@@ -46,9 +46,11 @@ class SelfSpec:
         heads: str | os.PathLike | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
+        kernels: str = "auto",
         **drafter_options,
     ):
-        self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype)
+        """kernels: the target's execution path when it is loaded here (auto, stock or fast: see selfspec.kernels)."""
+        self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
         self.drafter = create_drafter(drafter, self.target, heads, **drafter_options)
 
     def generate(

@@ -25,6 +25,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "stock", "fast"],
+                        help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); auto = fast where it exists")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(profile)
     profile.add_argument("--cache-length", type=_positive_int, default=512, help="cached tokens before the timed forward")
     profile.add_argument("--repeats", type=_positive_int, default=7)
+    profile.add_argument("--json", action="store_true", help='print {"sizes": [...], "ms": {"stock": [...], "fast": [...]}} only')
 
     bench = commands.add_parser("bench", help="benchmark drafters against HF generate and HF peers on real prompts")
     _add_model_args(bench)
@@ -116,7 +119,8 @@ def _generate(args) -> None:
         raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SelfspecError("the prompt is empty: pass some text with --prompt")
-    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype))
+    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
+                    kernels=args.kernels)
     result = spec.generate(
         prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,
@@ -128,20 +132,37 @@ def _generate(args) -> None:
         chat=not args.raw,
     )
     print()
-    print(f"[selfspec] drafter={spec.drafter.describe()} {result.stats.summary()}", file=sys.stderr)
+    print(f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} {result.stats.summary()}",
+          file=sys.stderr)
 
 
 def _profile(args) -> None:
-    from .cost import measure_cost_curve, save_cost_curve
+    import json
+
+    import torch
+
+    from .cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
+    from .kernels import ExecutionPath, fast_path_available
     from .models import load_target
 
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
-    curve = measure_cost_curve(target, cache_length=args.cache_length, repeats=args.repeats)
-    path = save_cost_curve(curve, target.device, target.name)
-    print("n_new_tokens  relative_cost")
-    for n, cost in zip(curve.sizes, curve.relative_cost):
-        print(f"{n:>12}  {cost:.3f}")
-    print(f"stored in {path}")
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    paths = {"stock": ExecutionPath(target.model, "stock")}
+    if fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock":
+        paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
+    times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
+    stored = {name: save_cost_curve(curve_from_times(times[name]), target.device, target.name, name) for name in paths}
+    if args.json:
+        print(json.dumps({"sizes": list(PROFILE_SIZES), "ms": {name: [round(times[name][n] * 1e3, 2) for n in PROFILE_SIZES] for name in paths}}))
+        return
+    step = times["stock"][1]
+    header = "  ".join(f"{name + ' ms':>9}  {'x stock@1':>9}" for name in paths)
+    print(f"{'n_new_tokens':>12}  {header}")
+    for n in PROFILE_SIZES:
+        print(f"{n:>12}  " + "  ".join(f"{times[name][n] * 1e3:>9.1f}  {times[name][n] / step:>9.2f}" for name in paths))
+    print(f"cache of {args.cache_length} tokens, {torch.get_num_threads()} threads; the drafters use the "
+          f"'{target.execution.name}' curve{' (' + target.execution.note + ')' if target.execution.note else ''}")
+    for name, path in stored.items():
+        print(f"{name} curve stored in {path}")
 
 
 def _bench(args) -> None:
@@ -166,7 +187,7 @@ def _bench(args) -> None:
         command="selfspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "selfspec bench",
     )
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     print(run_bench(target, request, settings))
 
 
@@ -201,7 +222,7 @@ def _tune(args) -> None:
         from .errors import SelfspecError
 
         raise SelfspecError(f"calibration data '{args.data}' does not exist: pass 'sharegpt' or a JSONL file")
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     out = user_skip_path(target) if args.out is None else Path(args.out)
     out = out if out.suffix == ".json" else out / SKIP_FILE
     storage = Path(args.storage) if args.storage else out.with_name(out.stem + ".study.log")
@@ -220,7 +241,7 @@ def _medusa_tree(args) -> None:
     from .models import load_target
     from .training.medusa_recipe import rebuild_tree
 
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype))
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)
     print(f"tree of up to {result['nodes']} nodes from {result['sequences']} sequences written to {args.heads}")
 

@@ -7,7 +7,8 @@ one. `selfspec profile` measures and stores a curve per device; until then a bui
 from __future__ import annotations
 
 import json
-import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +17,14 @@ from typing import Sequence
 import torch
 
 from .files import atomic_write_text
+from .kernels import ExecutionPath
 from .models import Target, cache_root
 
 # Built-in estimates, used until `selfspec profile` has measured this machine.
 _BUILTIN = {
     "cpu": {1: 1.0, 2: 1.1, 4: 1.8, 8: 2.0, 16: 2.2, 32: 2.8, 64: 4.2},  # SmolLM2-135M fp32, 2-core CPU
+    # The same model on the fast path (pre-packed weights, selfspec.kernels), 2-core AVX2 EPYC, cache of 300.
+    "cpu-fast": {1: 1.0, 2: 1.12, 4: 1.21, 8: 1.30, 16: 1.67, 32: 2.26, 64: 3.45},
     "cuda": {1: 1.0, 8: 1.0, 16: 1.02, 32: 1.05, 64: 1.1},
 }
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -59,11 +63,6 @@ class CostCurve:
                 best_n, best_rate = n, rate
         return best_n, best_rate
 
-    def best_size_for_paths(self, sorted_log_probs: Sequence[float], max_size: int) -> int:
-        """best_size for candidate nodes scored by their path's cumulative draft log-probability, best first: a
-        path's draft probability estimates the chance that the target accepts all of it. At most `max_size` nodes."""
-        return self.best_size([math.exp(score) for score in sorted_log_probs[: max_size - 1]])[0]
-
     def best_chain_length(self, acceptance: float, max_length: int) -> int:
         """Draft length k maximising expected tokens per step (1 + a + ... + a^k) over cost(k + 1)."""
         return self.best_size([acceptance**k for k in range(1, max(0, max_length) + 1)])[0] - 1
@@ -83,23 +82,27 @@ def device_key(device: torch.device | str) -> str:
     return f"cpu-{torch.get_num_threads()}threads"
 
 
-def profile_path(device: torch.device | str, model_name: str) -> Path:
-    return cache_root() / "profiles" / f"{device_key(device)}--{model_name}.json"
+def profile_path(device: torch.device | str, model_name: str, kernels: str = "stock") -> Path:
+    return cache_root() / "profiles" / f"{device_key(device)}--{model_name}--{kernels}.json"
 
 
-def load_cost_curve(device: torch.device | str, model_name: str) -> CostCurve:
-    """The stored profile for this device and model if `selfspec profile` made one, else the built-in estimate."""
-    path = profile_path(device, model_name)
+def load_cost_curve(device: torch.device | str, model_name: str, kernels: str = "stock") -> CostCurve:
+    """The stored profile for this device, model and execution path (`kernels`: stock or fast) if `selfspec profile`
+    made one, else the built-in estimate for that path."""
+    path = profile_path(device, model_name, kernels)
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
-    table = _BUILTIN["cuda" if torch.device(device).type == "cuda" else "cpu"]
-    return CostCurve(tuple(table), tuple(table.values()), source="builtin")
+    kind = "cuda" if torch.device(device).type == "cuda" else ("cpu-fast" if kernels == "fast" else "cpu")
+    table = _BUILTIN[kind]
+    return CostCurve(tuple(table), tuple(table.values()), source=f"builtin ({kind})")
 
 
-def measure_cost_curve(target: Target, cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES) -> CostCurve:
-    """Time one forward of n new tokens after `cache_length` cached ones: the fastest of `repeats` rounds (the least
-    disturbed by other load), then made non-decreasing in n, since a larger tree never costs less."""
+def measure_forward_times(target: Target, paths: dict[str, ExecutionPath], cache_length: int = 512,
+                          repeats: int = 7, sizes=PROFILE_SIZES) -> dict[str, dict[int, float]]:
+    """Seconds for one forward of n new tokens after `cache_length` cached ones, per execution path: the fastest of
+    `repeats` rounds (the least disturbed by other load). Rounds interleave the paths and the sizes, so slow drifts
+    of the machine hit every one alike; round 0 warms up."""
     from .tree_attention import DraftTree, build_tree_inputs, compact_cache, tree_forward
 
     model, device = target.model, target.device
@@ -107,24 +110,53 @@ def measure_cost_curve(target: Target, cache_length: int = 512, repeats: int = 7
     vocab = target.vocab_size
     prefix = torch.randint(0, vocab, (1, cache_length), generator=generator).to(device)
     cache = target.new_cache()
-    samples: dict[int, list[float]] = {n: [] for n in sorted(set((1,) + tuple(sizes)))}
+    sizes = sorted(set((1,) + tuple(sizes)))
+    samples = {name: {n: [] for n in sizes} for name in paths}
     with torch.inference_mode():
         model(input_ids=prefix, past_key_values=cache, use_cache=True)
-        # Rounds interleave the sizes, so slow drifts of the machine hit every size alike; round 0 warms up.
         for round_index in range(repeats + 1):
-            for n in samples:
-                chain = DraftTree(tokens=torch.randint(0, vocab, (n,), generator=generator), parents=torch.arange(-1, n - 1))
-                inputs = build_tree_inputs(chain, cache_length, target.dtype, device)
-                _synchronize(device)
-                start = time.perf_counter()
-                tree_forward(model, cache, inputs)
-                _synchronize(device)
-                if round_index > 0:
-                    samples[n].append(time.perf_counter() - start)
-                compact_cache(cache, n, ())  # drop the n new positions again
-    timings = {n: min(values) for n, values in samples.items()}
-    relative = monotone_fit([timings[n] / timings[1] for n in sizes])
+            for name, path in paths.items():
+                with path.active():
+                    for n in sizes:
+                        chain = DraftTree(tokens=torch.randint(0, vocab, (n,), generator=generator), parents=torch.arange(-1, n - 1))
+                        inputs = build_tree_inputs(chain, cache_length, target.dtype, device)
+                        _synchronize(device)
+                        start = time.perf_counter()
+                        tree_forward(model, cache, inputs)
+                        _synchronize(device)
+                        if round_index > 0:
+                            samples[name][n].append(time.perf_counter() - start)
+                        compact_cache(cache, n, ())  # drop the n new positions again
+    return {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
+
+
+def curve_from_times(times: dict[int, float], sizes=PROFILE_SIZES) -> CostCurve:
+    """Relative costs, made non-decreasing in n, since a larger tree never costs less."""
+    relative = monotone_fit([times[n] / times[1] for n in sizes])
     return CostCurve(tuple(sizes), tuple(round(max(1.0, value), 3) for value in relative), source="measured")
+
+
+def measure_cost_curve(target: Target, cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES) -> CostCurve:
+    """The cost curve of the target's own execution path (the one the decoding loop runs)."""
+    times = measure_forward_times(target, {"path": target.execution}, cache_length, repeats, sizes)["path"]
+    return curve_from_times(times, sizes)
+
+
+QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def target_cost_curve(target: Target) -> CostCurve:
+    """The curve drafters size their trees by: this device, model and execution path. With no stored profile, a short
+    one is measured now (a few seconds) and stored, so a curve from another machine never sizes the trees here;
+    SELFSPEC_AUTO_PROFILE=0 keeps the built-in estimate instead."""
+    curve = load_cost_curve(target.device, target.name, target.execution.name)
+    if not curve.source.startswith("builtin") or os.environ.get("SELFSPEC_AUTO_PROFILE", "1") == "0":
+        return curve
+    print("selfspec: measuring this machine's verification cost curve once (a few seconds; `selfspec profile` "
+          "measures a thorough one)", file=sys.stderr)
+    times = measure_forward_times(target, {"path": target.execution}, cache_length=256, repeats=3, sizes=QUICK_SIZES)
+    save_cost_curve(curve_from_times(times["path"], QUICK_SIZES), target.device, target.name, target.execution.name)
+    return load_cost_curve(target.device, target.name, target.execution.name)
 
 
 def monotone_fit(values: list[float]) -> list[float]:
@@ -139,8 +171,8 @@ def monotone_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-def save_cost_curve(curve: CostCurve, device: torch.device | str, model_name: str) -> Path:
-    return atomic_write_text(profile_path(device, model_name), json.dumps(curve.to_dict(), indent=1))
+def save_cost_curve(curve: CostCurve, device: torch.device | str, model_name: str, kernels: str = "stock") -> Path:
+    return atomic_write_text(profile_path(device, model_name, kernels), json.dumps(curve.to_dict(), indent=1))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -100,7 +100,7 @@ def speculative_generate(
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), target.execution.active():
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
         prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import SelfspecError
+from .kernels import KERNEL_CHOICES, ExecutionPath
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -73,6 +74,12 @@ class Target:
     name: str = "model"
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
+    kernels: str = "auto"  # the execution path asked for: auto, stock or fast (see selfspec.kernels)
+
+    @cached_property
+    def execution(self) -> ExecutionPath:
+        """How the decoding loop runs the model (the stock modules everywhere else)."""
+        return ExecutionPath(self.model, self.kernels)
 
     @property
     def config(self):
@@ -182,8 +189,11 @@ def _default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = None, dtype: torch.dtype | None = None) -> Target:
+def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = None, dtype: torch.dtype | None = None,
+                kernels: str = "auto") -> Target:
     """Load `default`, a checkpoint directory, a `.gguf` file, or a hub id already in the local HF cache."""
+    if kernels not in KERNEL_CHOICES:
+        raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
     device = device or _default_device()
     dtype = dtype or _default_dtype(device)
     spec = str(spec)
@@ -200,7 +210,9 @@ def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = No
     else:
         raise SelfspecError(f"model path '{spec}' does not exist: pass a checkpoint directory, a .gguf file, or 'default'")
     model.to(device).eval()
-    return Target(model=model, tokenizer=tokenizer, name=name)
+    target = Target(model=model, tokenizer=tokenizer, name=name, kernels=kernels)
+    target.execution  # noqa: B018  (checks the kernels choice now, before any generation)
+    return target
 
 
 def _looks_like_hub_id(spec: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -14,6 +15,8 @@ from selfspec.models import Target
 from .helpers import CORE_FAMILIES, WORDS, make_tiny_target, make_word_tokenizer
 
 torch.set_num_threads(1)  # tiny models: threading overhead dominates, and xdist runs two workers
+# Trees sized by the built-in curves, not by timings taken while the suite runs (test_kernels turns it back on).
+os.environ["SELFSPEC_AUTO_PROFILE"] = "0"
 
 RECORDS = 100  # fake ShareGPT records; the held-out split is the last 2
 

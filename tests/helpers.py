@@ -74,14 +74,14 @@ FAMILIES = {
 CORE_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
 
 
-def make_tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, **overrides) -> Target:
+def make_tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, kernels: str = "auto", **overrides) -> Target:
     config_cls, model_cls, extra = FAMILIES[family]
     config = config_cls(vocab_size=vocab_size, **{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
-    return Target(model=model, tokenizer=None, name=f"tiny-{family}")
+    return Target(model=model, tokenizer=None, name=f"tiny-{family}", kernels=kernels)  # auto: stock for tiny models
 
 
 def make_word_tokenizer(words: list[str]):
@@ -140,9 +140,10 @@ CHI_PROMPT = [5]  # one token: no prefill forward, so tens of thousands of sampl
 SAMPLING = SamplingConfig(temperature=1.0, top_k=6, top_p=0.9)
 
 
-def chi_target(num_hidden_layers: int = 1) -> Target:
+def chi_target(num_hidden_layers: int = 1, kernels: str = "auto") -> Target:
     """A tiny target over VOCAB tokens with spread-out distributions, no EOS."""
-    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers)
+    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers,
+                              kernels=kernels)
     target._eos = ()
     return target
 

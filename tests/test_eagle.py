@@ -46,9 +46,10 @@ def test_grow_tree_expands_best_frontier_and_reranks():
 
 def test_best_size_follows_the_cost_curve():
     scores = [math.log(p) for p in (0.9, 0.8, 0.5, 0.2, 0.1)]
-    assert CostCurve((1, 64), (1.0, 1.0), "flat").best_size_for_paths(scores, 60) == 6
-    assert CostCurve((1, 2, 64), (1.0, 2.0, 64.0), "steep").best_size_for_paths(scores, 60) == 1
-    assert CostCurve((1, 64), (1.0, 1.0), "flat").best_size_for_paths(scores, 3) == 3
+    gains = [math.exp(score) for score in scores]  # a path's draft probability: its chance to be accepted
+    assert CostCurve((1, 64), (1.0, 1.0), "flat").best_size(gains)[0] == 6
+    assert CostCurve((1, 2, 64), (1.0, 2.0, 64.0), "steep").best_size(gains)[0] == 1
+    assert CostCurve((1, 64), (1.0, 1.0), "flat").best_size(gains[:2])[0] == 3
 
 
 def test_head_cache_rolls_back_after_each_proposal(tmp_path):

@@ -71,9 +71,11 @@ def test_best_tree_orders_nodes_by_expected_acceptance_parents_first():
 def test_tree_template_gathers_tokens_from_head_ranks():
     template = TreeTemplate([(0,), (1,), (0, 0), (0, 1)], max_rank=2, device=torch.device("cpu"))
     topk_ids = torch.tensor([[11, 12], [21, 22]])  # head 1's top-2, head 2's top-2
-    tree = template.build(99, topk_ids)
+    tree = template.build(99, topk_ids, 5)
     assert tree.token_list == [99, 11, 12, 21, 22]
     assert tree.parent_list == (-1, 0, 0, 1, 1)
+    smaller = template.build(99, topk_ids, 3)  # the best 3-node tree: a prefix of the layout
+    assert smaller.token_list == [99, 11, 12] and smaller.parent_list == (-1, 0, 0)
 
 
 def test_budget_follows_the_cost_curve():

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from selfspec.cost import CostCurve, monotone_fit
+from selfspec.decoding import speculative_generate
+from selfspec.heads.base import AcceptanceCalibration
+from selfspec.tree_attention import VerifyResult
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
 from selfspec.sampling import SamplingConfig
@@ -93,3 +97,40 @@ def test_ngram_drafts_again_after_a_bad_stretch():
         steps += 1
         assert steps < 100, "drafting never resumed"
     assert steps > 5  # not at once: the bad stretch still counts for a while
+
+
+def _result(accepted: int):
+    return VerifyResult(accepted_path=tuple(range(accepted + 1)), accepted_tokens=(7,) * accepted, next_token=1, is_bonus=False)
+
+
+def test_acceptance_calibration_on_hand_made_histories():
+    calibration = AcceptanceCalibration()
+    assert calibration.factor == 1.0 and calibration.scaled([0.5, 0.9]) == [0.5, 0.9]
+    for _ in range(30):  # the head expected 1.5 accepted tokens a step; the verifier took 0.3
+        calibration.proposed([0.9, 0.6])
+        calibration.verified(_result(0 if _ % 10 else 3))
+    assert 0.05 < calibration.factor < 0.35  # about 0.3 / 1.5, as the decayed sums fluctuate
+    shrunk = calibration.factor
+    steep = CostCurve((1, 2, 4), (1.0, 1.5, 2.0), source="test")
+    assert steep.best_size([0.9, 0.6])[0] == 3 and steep.best_size(calibration.scaled([0.9, 0.6]))[0] == 1
+    for _ in range(20):  # steps without a draft: the factor drifts back toward 1, so drafting can restart
+        calibration.verified(_result(0))
+    assert shrunk < calibration.factor < 1.0
+    calibration.reset()
+    assert calibration.factor == 1.0
+    for _ in range(30):  # an underconfident head: the factor grows, each calibrated gain stays a probability
+        calibration.proposed([0.3])
+        calibration.verified(_result(1))
+    assert calibration.factor > 2.0 and calibration.scaled([0.3, 0.9]) == [min(1.0, 0.3 * calibration.factor), 1.0]
+
+
+def test_an_overconfident_head_stops_drafting_where_it_does_not_pay(tmp_path):
+    """Random EAGLE heads on a tiny target: nothing they draft is accepted, so their trees shrink to the root."""
+    from .helpers import PROMPT, random_eagle_dir, without_eos
+
+    target = without_eos(make_tiny_target("llama"))
+    drafter = create_drafter("eagle", target, random_eagle_dir(target, tmp_path / "h", top_k=2, depth=2))
+    drafter.cost_curve = CostCurve((1, 2, 4, 8), (1.0, 1.3, 1.6, 2.0), source="test")
+    _, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 60)
+    assert stats.acceptance_rate < 0.2
+    assert stats.tree_sizes[0] > 1 and sum(size > 1 for size in stats.tree_sizes[-20:]) < 10

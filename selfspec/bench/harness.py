@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..cost import load_cost_curve
+from ..cost import target_cost_curve
 from ..errors import SelfspecError
 from ..heads import parse_drafter_options
 from ..models import Target
@@ -73,7 +73,7 @@ def run_bench(target: Target, request: BenchRequest, settings: BenchSettings) ->
     prompts = collect_prompts(request)
     methods = build_methods(target, list(request.drafters), list(request.peers), settings, request.heads)
     records = run_benchmark(target, methods, prompts, settings)
-    curve = load_cost_curve(target.device, target.name)
+    curve = target_cost_curve(target)
     rows = aggregate(records, settings.temperature, curve.cost)
     category_rows = aggregate(records, settings.temperature, curve.cost, by_category=True)
     meta = {
@@ -85,6 +85,7 @@ def run_bench(target: Target, request: BenchRequest, settings: BenchSettings) ->
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
+        "kernels": target.execution.name,  # the execution path selfspec's methods ran on (HF generate: stock)
         "cost_curve": {**curve.to_dict(), "source": curve.source},
         **asdict(settings),
     }

@@ -17,7 +17,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from ..cost import CostCurve, load_cost_curve
+from ..cost import CostCurve, target_cost_curve
 from ..errors import SelfspecError
 from ..models import Target
 from ..options import format_option, from_dict, parse_drafter_spec
@@ -57,6 +57,47 @@ def check_at_least_one(drafter: str, options) -> None:
     bad = [f.name for f in fields(options) if type(getattr(options, f.name)) is int and getattr(options, f.name) < 1]
     if bad:
         raise SelfspecError(f"{drafter}: {', '.join(bad)} must be >= 1")
+
+
+class AcceptanceCalibration:
+    """How a drafter's own estimate of the draft tokens the target will accept compares with what the verifier
+    accepts, over the recent steps of one request: `factor` = accepted / expected (decayed sums). Drafters scale
+    their node gains by it before sizing a tree, so an overconfident head proposes smaller trees, down to none when
+    drafting does not pay; steps without a draft drift the factor back toward 1, so drafting can start again."""
+
+    DECAY = 0.9  # weight of history per drafted step
+    RECOVERY = 0.05  # per step without a draft, the share of the gap to a factor of 1 closed
+    PRIOR = 2.0  # expected (and accepted) draft tokens the estimate starts from: a factor of 1
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.accepted = self.expected = self.PRIOR
+        self.pending = 0.0  # expected accepted tokens of the tree just proposed
+
+    @property
+    def factor(self) -> float:
+        return self.accepted / self.expected
+
+    def scaled(self, gains: list[float]) -> list[float]:
+        """Gains as calibrated acceptance chances (at most 1 each)."""
+        factor = self.factor
+        return [min(1.0, gain * factor) for gain in gains]
+
+    def proposed(self, gains: list[float]) -> None:
+        """The uncalibrated gains of the nodes just proposed."""
+        self.pending = sum(gains)
+
+    def verified(self, result: VerifyResult | None) -> None:
+        if result is None:
+            return
+        if self.pending > 0:
+            self.accepted = self.DECAY * self.accepted + len(result.accepted_tokens)
+            self.expected = self.DECAY * self.expected + self.pending
+        else:
+            self.accepted += self.RECOVERY * (self.expected - self.accepted)
+        self.pending = 0.0
 
 
 class Drafter(ABC):
@@ -159,5 +200,5 @@ def create_drafter(spec: str, target: Target, heads_dir: str | Path | None = Non
     entry, typed = parse_drafter_options(spec, **options)
     if heads_dir is not None and not Path(heads_dir).exists():  # a directory, or a file for tuned data (layerskip)
         raise SelfspecError(f"heads directory '{heads_dir}' does not exist")
-    cost_curve = load_cost_curve(target.device, target.name)
+    cost_curve = target_cost_curve(target)
     return entry.drafter_cls.load(target, None if heads_dir is None else Path(heads_dir), cost_curve, typed)

@@ -170,11 +170,13 @@ class DFlashDrafter(VocabHeadDrafter):
         self.reset()
 
     def reset(self) -> None:
+        self.calibration.reset()
         self.cache = DynamicCache()
         self.position = 0  # context rows in the drafter's cache (= committed positions with target features)
         self.pending: list[torch.Tensor] = []  # [m, F] target features not yet in the cache
 
     def observe(self, observation: Observation) -> None:
+        self.calibrate(observation)
         if not observation.hidden:
             return
         features = torch.cat([observation.hidden[layer] for layer in self.hidden_layers], dim=-1)  # [m, F]

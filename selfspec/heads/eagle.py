@@ -149,6 +149,7 @@ class EagleDrafter(VocabHeadDrafter):
         self.reset()
 
     def reset(self) -> None:
+        self.calibration.reset()
         self.cache = DynamicCache()
         self.position = 0  # position of the last committed pair (= pairs in the head's cache)
         self.root_feature: torch.Tensor | None = None  # [H] the head's feature for the root's position
@@ -160,6 +161,7 @@ class EagleDrafter(VocabHeadDrafter):
         return self.head(features.to(dtype).unsqueeze(0), tokens.view(1, -1), positions.view(1, -1), mask, self.cache)[0]
 
     def observe(self, observation: Observation) -> None:
+        self.calibrate(observation)
         hidden = observation.hidden.get(-1)
         # Pairs (true feature of position j - 1, token j): after the prefill j = 1 .. L - 1 (rows = prompt[:-1]);
         # after a step the accepted path's rows pair with the tokens just committed.

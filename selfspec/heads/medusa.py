@@ -21,7 +21,7 @@ from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import ADAPTER, load_vocab_head
-from .base import DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
+from .base import AcceptanceCalibration, DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
 from .vocab import ReducedVocabHead
 
 
@@ -109,11 +109,12 @@ class TreeTemplate:
         self.max_rank = max_rank
         self.depth = max((len(p) for p in paths), default=0)
 
-    def build(self, root_token: int, topk_ids: torch.Tensor) -> DraftTree:
-        """topk_ids: [K, max_rank] target ids -> the DraftTree (tokens gathered in one op)."""
-        tokens = topk_ids.reshape(-1)[self.flat_index]
+    def build(self, root_token: int, topk_ids: torch.Tensor, nodes: int) -> DraftTree:
+        """topk_ids: [K, max_rank] target ids -> the DraftTree of the first `nodes` nodes (root included; paths come
+        parents first, so every prefix is a tree), tokens gathered in one op."""
+        tokens = topk_ids.reshape(-1)[self.flat_index[: nodes - 1]]
         root = torch.tensor([root_token], dtype=torch.long, device=tokens.device)
-        return DraftTree(tokens=torch.cat([root, tokens]), parents=self.parents)
+        return DraftTree(tokens=torch.cat([root, tokens]), parents=self.parents[:nodes])
 
 
 @register_drafter("medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa")
@@ -128,12 +129,16 @@ class MedusaDrafter(Drafter):
         values = [float(v) for v in tree.get("values", [])]
         if not paths or len(paths) != len(values):
             raise SelfspecError("the Medusa heads carry no tree: build one with `selfspec medusa-tree --heads DIR`")
-        max_nodes = options.max_nodes
-        self.tree_nodes = max_nodes if max_nodes is not None else cost_curve.best_size(values)[0]
-        paths = [p for p in paths[: self.tree_nodes - 1] if max(p) < heads.config.max_rank and len(p) <= heads.num_heads]
+        # The largest tree worth verifying even if every value were right; each step verifies the best prefix of it
+        # for the values as calibrated by what the verifier has been accepting (`max_nodes` fixes the size).
+        self.fixed_nodes = options.max_nodes
+        largest = self.fixed_nodes if self.fixed_nodes is not None else cost_curve.best_size(values)[0]
+        kept = [(p, v) for p, v in zip(paths[: largest - 1], values) if max(p) < heads.config.max_rank and len(p) <= heads.num_heads]
+        paths, self.values = [p for p, _ in kept], [v for _, v in kept]
         self.tree_nodes = len(paths) + 1
         self.max_rank = 1 + max((max(p) for p in paths), default=0)
         self.template = TreeTemplate(paths, self.max_rank, target.device)
+        self.calibration = AcceptanceCalibration()
         self.reset()
 
     @classmethod
@@ -145,8 +150,10 @@ class MedusaDrafter(Drafter):
 
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root
+        self.calibration.reset()
 
     def observe(self, observation: Observation) -> None:
+        self.calibration.verified(observation.result)
         states = observation.hidden.get(-1)
         if states is not None and states.shape[0] > 0:
             self.last_hidden = states[-1]
@@ -154,9 +161,14 @@ class MedusaDrafter(Drafter):
     def propose(self, request: DraftRequest) -> DraftTree:
         if self.last_hidden is None or request.max_depth <= 0 or self.template.depth == 0:
             return DraftTree.root_only(request.root_token)
+        size = self.fixed_nodes or self.cost_curve.best_size(self.calibration.scaled(self.values))[0]
+        size = min(size, self.tree_nodes)
+        if size <= 1:
+            return DraftTree.root_only(request.root_token)
+        self.calibration.proposed(self.values[: size - 1])
         with torch.inference_mode():
             topk_ids = self.heads.topk_target_ids(self.last_hidden, self.max_rank)  # [K, max_rank]
-        return self.template.build(request.root_token, topk_ids)
+        return self.template.build(request.root_token, topk_ids, size)
 
 
 def merge_adapter(target: Target, adapter_dir: Path) -> None:
@@ -170,3 +182,4 @@ def merge_adapter(target: Target, adapter_dir: Path) -> None:
 
     PeftModel.from_pretrained(target.model, str(adapter_dir)).merge_and_unload()
     target.adapters.append(key)
+    target.execution.invalidate()  # the weights changed: pack them again

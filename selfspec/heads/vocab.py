@@ -7,6 +7,7 @@ load time, so the base model's weights never enter a heads directory.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,7 +17,7 @@ from ..cost import CostCurve
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import load_vocab_head
-from .base import Drafter, drafter_entry
+from .base import AcceptanceCalibration, Drafter, Observation, drafter_entry
 
 
 class ReducedVocabHead(torch.nn.Module):
@@ -57,6 +58,7 @@ class VocabHeadDrafter(Drafter):
         self.top_k = options.top_k or head.config.top_k
         self.max_nodes = options.fixed_nodes or options.max_nodes or head.config.max_tree_nodes
         self.fixed_nodes = options.fixed_nodes
+        self.calibration = AcceptanceCalibration()
 
     @classmethod
     def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options) -> "VocabHeadDrafter":
@@ -64,5 +66,14 @@ class VocabHeadDrafter(Drafter):
         return cls(target, cost_curve, load_vocab_head(target, heads_dir, cls.name, config_cls, cls.head_cls).head, options)
 
     def tree_size(self, sorted_scores: list[float]) -> int:
-        """Nodes to keep (root included) given the candidates' cumulative draft log-probabilities, best first."""
-        return self.fixed_nodes or self.cost_curve.best_size_for_paths(sorted_scores, self.max_nodes)
+        """Nodes to keep (root included) given the candidates' cumulative draft log-probabilities, best first. A
+        path's draft probability estimates the chance the target accepts it all; calibrated by what the verifier
+        has been accepting. The last call of a proposal sizes the tree that is verified."""
+        gains = [math.exp(score) for score in sorted_scores[: self.max_nodes - 1]]
+        size = self.fixed_nodes or self.cost_curve.best_size(self.calibration.scaled(gains))[0]
+        self.calibration.proposed(gains[: size - 1])
+        return size
+
+    def calibrate(self, observation: Observation) -> None:
+        """Subclasses call this first in observe()."""
+        self.calibration.verified(observation.result)

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..cost import CostCurve, load_cost_curve
+from ..cost import CostCurve, target_cost_curve
 from ..decoding import speculative_generate
 from ..errors import SelfspecError
 from ..heads.layerskip import (
@@ -193,7 +193,7 @@ def tune_layerskip(target: Target, options: TuneOptions, storage_path: Path, out
     num_layers = target.config.num_hidden_layers
     calibration = build_calibration(target, options)
     vocab_size = 0 if calibration.draft_vocab is None else len(calibration.draft_vocab)
-    curve = load_cost_curve(target.device, target.name)
+    curve = target_cost_curve(target)
     storage_path.parent.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(storage_path)))
     study = optuna.create_study(

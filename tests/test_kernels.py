@@ -1,0 +1,111 @@
+"""The target's execution paths: the fast CPU path (pre-packed linear weights) computes what the stock modules
+compute, puts them back whatever happens, and decoding through either path equals plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from selfspec.cli import main
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter
+from selfspec.kernels import ExecutionPath, PackedLinear
+from selfspec.models import Target, load_target
+
+from .helpers import CORE_FAMILIES, FAMILIES, PROMPT, hf_greedy, make_tiny_target, random_eagle_dir, without_eos
+
+
+def linear_types(model) -> set[type]:
+    return {type(module) for module in model.modules() if isinstance(module, (torch.nn.Linear, PackedLinear))}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_layers_equal_the_stock_ones(family):
+    target = make_tiny_target(family, kernels="fast")
+    assert make_tiny_target(family).execution.name == "stock"  # auto: too small for packing to pay
+    tokens = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        stock = target.model(tokens, output_hidden_states=True)
+        with target.execution.active():
+            assert linear_types(target.model) == {PackedLinear}
+            assert target.vocab_size == stock.logits.shape[-1]  # `.weight` is still there to read
+            fast = target.model(tokens, output_hidden_states=True)
+    assert linear_types(target.model) == {torch.nn.Linear}
+    torch.testing.assert_close(fast.logits, stock.logits, atol=1e-4, rtol=1e-4)
+    for fast_hidden, stock_hidden in zip(fast.hidden_states, stock.hidden_states):
+        torch.testing.assert_close(fast_hidden, stock_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_stock_modules_come_back_after_errors_and_nesting():
+    target = make_tiny_target("llama", kernels="fast")
+    path = target.execution
+    with pytest.raises(RuntimeError, match="boom"):
+        with path.active():
+            raise RuntimeError("boom")
+    assert linear_types(target.model) == {torch.nn.Linear}
+    with path.active():
+        with path.active():
+            pass
+        assert linear_types(target.model) == {PackedLinear}  # the inner block does not end the outer one
+    assert linear_types(target.model) == {torch.nn.Linear}
+    stock = ExecutionPath(target.model, "stock")
+    with stock.active():
+        assert linear_types(target.model) == {torch.nn.Linear}
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_greedy_is_plain_greedy_on_both_paths(family, tmp_path):
+    outputs = {}
+    for kernels in ("stock", "fast"):
+        base = without_eos(make_tiny_target(family))
+        target = Target(model=base.model, tokenizer=None, name=base.name, _eos=(), kernels=kernels)
+        assert target.execution.name == kernels
+        reference = hf_greedy(target, PROMPT, 24, eos=-1)
+        for spec, heads in (("none", None), ("ngram", None), ("eagle:fixed_nodes=6", random_eagle_dir(target, tmp_path / kernels))):
+            tokens, _ = speculative_generate(target, create_drafter(spec, target, heads), torch.tensor(PROMPT), 24)
+            assert list(tokens) == reference, f"{family} {kernels} {spec}"
+        outputs[kernels] = reference
+    assert outputs["stock"] == outputs["fast"]
+
+
+def test_kernel_choices_are_checked(tiny_checkpoint, capsys):
+    with pytest.raises(SelfspecError, match="kernels must be one of auto, stock, fast"):
+        load_target(str(tiny_checkpoint), kernels="turbo")
+    bf16 = make_tiny_target("llama")
+    bf16.model.to(torch.bfloat16)
+    with pytest.raises(SelfspecError, match="packs float32 weights.*use --kernels stock or auto"):
+        ExecutionPath(bf16.model, "fast")
+    assert ExecutionPath(bf16.model, "auto").name == "stock"
+    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "the cat", "--kernels", "fast",
+                 "--dtype", "bfloat16", "--max-new-tokens", "4"]) == 2
+    assert "packs float32 weights" in capsys.readouterr().err
+
+
+def test_profile_reports_both_paths(tiny_checkpoint, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    assert main(["profile", "--model", str(tiny_checkpoint), "--cache-length", "16", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["ms"]) == {"stock", "fast"} and all(len(v) == len(report["sizes"]) for v in report["ms"].values())
+    stored = sorted(path.name for path in (tmp_path / "cache" / "profiles").iterdir())
+    assert len(stored) == 2 and stored[0].endswith("--fast.json") and stored[1].endswith("--stock.json")
+    target = load_target(str(tiny_checkpoint), kernels="fast")
+    assert create_drafter("ngram", target).cost_curve.source.endswith("--fast.json")  # drafters read the path in use
+    assert create_drafter("ngram", load_target(str(tiny_checkpoint))).cost_curve.source.endswith("--stock.json")
+    assert main(["profile", "--model", str(tiny_checkpoint), "--cache-length", "16", "--repeats", "1"]) == 0
+    assert "x stock@1" in capsys.readouterr().out
+
+
+def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
+    target = make_tiny_target("llama", kernels="fast")
+    first = create_drafter("ngram", target).cost_curve
+    assert first.source.endswith("--fast.json") and first.sizes == (1, 2, 4, 8, 16, 32, 64)
+    assert "measuring this machine's verification cost curve once" in capsys.readouterr().err
+    assert create_drafter("eagle:fixed_nodes=3", target, random_eagle_dir(target, tmp_path / "h")).cost_curve == first
+    assert capsys.readouterr().err == ""  # stored: not measured again
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "0")
+    assert create_drafter("ngram", Target(target.model, None, "other-model")).cost_curve.source.startswith("builtin")
