@@ -140,9 +140,9 @@ CHI_PROMPT = [5]  # one token: no prefill forward, so tens of thousands of sampl
 SAMPLING = SamplingConfig(temperature=1.0, top_k=6, top_p=0.9)
 
 
-def chi_target(num_hidden_layers: int = 1, kernels: str = "auto") -> Target:
+def chi_target(num_hidden_layers: int = 1, kernels: str = "auto", family: str = "llama") -> Target:
     """A tiny target over VOCAB tokens with spread-out distributions, no EOS."""
-    target = make_tiny_target("llama", vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers,
+    target = make_tiny_target(family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers,
                               kernels=kernels)
     target._eos = ()
     return target

@@ -11,9 +11,8 @@ from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
 from selfspec.sampling import SamplingConfig
 
-from .helpers import make_tiny_target
+from .helpers import FLAT, make_tiny_target
 
-FLAT = CostCurve((1, 64), (1.0, 1.0), source="test")
 
 
 def ngram_with_context(context, **options):
