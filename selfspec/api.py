@@ -64,10 +64,12 @@ class SelfSpec:
         seed: int = 0,
         stream: Callable[[str], None] | None = None,
         chat: bool = True,
+        pace: bool = True,
     ) -> GenerationResult:
         """Generate from a prompt (through the chat template unless chat=False) or from token ids.
 
-        `stream`, if given, receives text pieces as tokens are committed.
+        `stream`, if given, receives text pieces as tokens are committed. `pace`: pause drafting while it does not
+        pay (the default); False asks the drafter for a tree at every step.
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         if (prompt is None) == (input_ids is None):
@@ -76,6 +78,6 @@ class SelfSpec:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
         on_tokens = TextStream(self.target, stream) if stream is not None else None
         tokens, stats = speculative_generate(
-            self.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens
+            self.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
         )
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)

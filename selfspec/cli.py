@@ -29,6 +29,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); auto = fast where it exists")
 
 
+def _add_pace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-pace", dest="pace", action="store_false",
+                        help="ask the drafter for a tree at every step, even while its drafting does not pay (default: pause it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=0, help="0 = off")
     generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     generate.add_argument("--seed", type=int, default=0)
+    _add_pace_arg(generate)
 
     profile = commands.add_parser("profile", help="measure and store this machine's verification cost curve")
     _add_model_args(profile)
@@ -63,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--seed", type=int, default=0)
+    _add_pace_arg(bench)
     bench.add_argument("--heads", default=None, help="heads directory for drafters that have trained parts")
     bench.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and charts")
     bench.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 16 new tokens")
@@ -128,6 +135,7 @@ def _generate(args) -> None:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        pace=args.pace,
         stream=lambda piece: print(piece, end="", flush=True),
         chat=not args.raw,
     )
@@ -186,7 +194,7 @@ def _bench(args) -> None:
         quick=args.quick,
         command="selfspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "selfspec bench",
     )
-    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, pace=args.pace)
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     print(run_bench(target, request, settings))
 

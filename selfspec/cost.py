@@ -109,11 +109,13 @@ def measure_forward_times(target: Target, paths: dict[str, ExecutionPath], cache
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     prefix = torch.randint(0, vocab, (1, cache_length), generator=generator).to(device)
-    cache = target.new_cache()
     sizes = sorted(set((1,) + tuple(sizes)))
     samples = {name: {n: [] for n in sizes} for name in paths}
     with torch.inference_mode():
-        model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        caches = {name: path.new_cache() for name, path in paths.items()}  # each path with the cache it writes
+        for name, path in paths.items():
+            with path.active():
+                model(input_ids=prefix, past_key_values=caches[name], use_cache=True)
         for round_index in range(repeats + 1):
             for name, path in paths.items():
                 with path.active():
@@ -122,11 +124,11 @@ def measure_forward_times(target: Target, paths: dict[str, ExecutionPath], cache
                         inputs = build_tree_inputs(chain, cache_length, target.dtype, device)
                         _synchronize(device)
                         start = time.perf_counter()
-                        tree_forward(model, cache, inputs)
+                        tree_forward(model, caches[name], inputs)
                         _synchronize(device)
                         if round_index > 0:
                             samples[name][n].append(time.perf_counter() - start)
-                        compact_cache(cache, n, ())  # drop the n new positions again
+                        compact_cache(caches[name], n, ())  # drop the n new positions again
     return {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
 
 

@@ -16,7 +16,7 @@ from .errors import SelfspecError
 from .heads.base import DraftRequest, Drafter, Observation
 from .models import Target
 from .sampling import SamplingConfig
-from .tree_attention import build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
+from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class GenerationStats:
     prefill_s: float
     wall_s: float  # prefill included, as a user waiting for the answer sees it
     stop_reason: str  # "eos", "max_new_tokens" or "context"
+    paused_steps: int = 0  # steps the loop did not ask the drafter for a tree, its drafting not paying (DraftPacer)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -48,7 +49,7 @@ class GenerationStats:
         return (
             f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
             f"{self.target_forwards} target forwards, mean accepted length {self.mean_accepted_length:.2f}, "
-            f"stop: {self.stop_reason}"
+            f"stop: {self.stop_reason}" + (f", drafting paused for {self.paused_steps} steps" if self.paused_steps else "")
         )
 
 
@@ -57,6 +58,63 @@ class GenerationResult:
     token_ids: tuple[int, ...]  # the new tokens only
     text: str
     stats: GenerationStats
+
+
+class DraftPacer:
+    """Stops asking the drafter for trees while drafting does not pay, on this machine, for this request.
+
+    Every PROBE_STEPS drafting steps it compares their wall time per emitted token (proposal, verification and
+    bookkeeping together) with what a plain one-token step costs: measured on steps that verified the root alone,
+    estimated until then from the drafting steps themselves with the verification forward scaled down by the cost
+    curve. Drafting that emitted tokens more slowly than plain decoding would is paused for a number of steps that
+    doubles each time a probe fails again (from FIRST_PAUSE up to MAX_PAUSE) and falls back to FIRST_PAUSE when a
+    probe pays. Which trees are verified never changes what is emitted: pacing only moves speed.
+    """
+
+    PROBE_STEPS = 4
+    FIRST_PAUSE = 8
+    MAX_PAUSE = 256
+    _PLAIN_DECAY = 0.7  # weight of the older plain-step timings in the running estimate
+
+    def __init__(self, drafter: Drafter, enabled: bool = True):
+        self.curve = drafter.cost_curve
+        self.enabled = enabled
+        self.plain_s: float | None = None  # one plain step, measured
+        self.paused_steps = 0
+        self._pause_left = 0
+        self._next_pause = self.FIRST_PAUSE
+        self._window_s = self._window_tokens = 0.0
+        self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
+        self._window_steps = 0
+
+    def should_draft(self) -> bool:
+        if self._pause_left > 0:
+            self._pause_left -= 1
+            self.paused_steps += 1
+            return False
+        return True
+
+    def record(self, tree_size: int, emitted: int, step_s: float, forward_s: float, draft_s: float) -> None:
+        if tree_size <= 1:
+            plain = step_s - draft_s
+            self.plain_s = plain if self.plain_s is None else self._PLAIN_DECAY * self.plain_s + (1 - self._PLAIN_DECAY) * plain
+            return
+        if not self.enabled:
+            return
+        self._window_s += step_s
+        self._window_tokens += emitted
+        self._window_plain_s += step_s - draft_s - forward_s + forward_s / self.curve.cost(tree_size)
+        self._window_steps += 1
+        if self._window_steps < self.PROBE_STEPS:
+            return
+        plain_s = self.plain_s if self.plain_s is not None else self._window_plain_s / self._window_steps
+        if self._window_s / self._window_tokens > plain_s:
+            self._pause_left = self._next_pause
+            self._next_pause = min(2 * self._next_pause, self.MAX_PAUSE)
+        else:
+            self._next_pause = self.FIRST_PAUSE
+        self._window_s = self._window_tokens = self._window_plain_s = 0.0
+        self._window_steps = 0
 
 
 def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -89,8 +147,10 @@ def speculative_generate(
     sampling: SamplingConfig = SamplingConfig(),
     seed: int = 0,
     on_tokens: Callable[[tuple[int, ...]], None] | None = None,
+    pace: bool = True,
 ) -> tuple[tuple[int, ...], GenerationStats]:
-    """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens."""
+    """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens.
+    `pace`: pause drafting while it does not pay (DraftPacer); False asks the drafter for a tree at every step."""
     input_ids = validate_request(target, input_ids, max_new_tokens)
     model, device, eos = target.model, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -99,6 +159,7 @@ def speculative_generate(
     accepted_lengths: list[int] = []
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
+    pacer = DraftPacer(drafter, enabled=pace)
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
@@ -108,18 +169,24 @@ def speculative_generate(
         drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, None, None))
         prefill_s = time.perf_counter() - start
         while True:
+            step_start = time.perf_counter()
             budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
-            # 2. Propose, within what the loop can still emit this step.
-            request = DraftRequest(committed[-1], budget - 1, sampling, generator)
-            tree = drafter.propose(request).pruned(budget - 1)
+            # 2. Propose, within what the loop can still emit this step (unless drafting is paused: see DraftPacer).
+            if pacer.should_draft():
+                request = DraftRequest(committed[-1], budget - 1, sampling, generator)
+                tree = drafter.propose(request).pruned(budget - 1)
+            else:
+                tree = DraftTree.root_only(committed[-1])
             if tree.token_list[0] != committed[-1]:
                 raise SelfspecError(f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
                                     f"last committed token {committed[-1]}: node 0 must be DraftRequest.root_token")
+            forward_start = time.perf_counter()
             # 3. One target forward over the tree, after the cached prefix.
             inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
             output = tree_forward(model, cache, inputs, drafter.hidden_layers)
-            # 4. Verify: accepted path plus the target's own token.
+            # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
             result = verify(tree, output.logits, sampling, generator)
+            forward_s = time.perf_counter() - forward_start
             # 5. Commit, stopping at EOS anywhere inside the emitted tokens; keep only the accepted path's KV.
             emitted = result.emitted
             eos_at = next((i for i, token in enumerate(emitted) if token in eos), None)
@@ -138,9 +205,14 @@ def speculative_generate(
                 stop_reason = "context"
                 break
             # 6. Let the drafter see what was committed (and the accepted path's hidden states).
+            observe_start = time.perf_counter()
             path = torch.tensor(result.accepted_path, device=device)
             hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
             drafter.observe(Observation(emitted, hidden, result, tree))
+            now = time.perf_counter()
+            # The drafter's share of the step: its proposal and its bookkeeping of the result.
+            pacer.record(tree.size, len(emitted), now - step_start, forward_s,
+                         (forward_start - step_start) + (now - observe_start))
     stats = GenerationStats(
         new_tokens=len(new_tokens),
         target_forwards=len(accepted_lengths),
@@ -149,5 +221,6 @@ def speculative_generate(
         prefill_s=prefill_s,
         wall_s=time.perf_counter() - start,
         stop_reason=stop_reason,
+        paused_steps=pacer.paused_steps,
     )
     return tuple(new_tokens), stats

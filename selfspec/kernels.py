@@ -1,11 +1,18 @@
 """Execution paths of the target's forward: `stock` (transformers as it is) and `fast`.
 
-On a CPU in float32, `fast` runs every `nn.Linear` of the target with its weight pre-packed once for oneDNN's
-small-row GEMMs. Stock PyTorch takes a gemv for one row and, for 2+ rows, a GEMM that repacks the weight on every
-call, so a forward over a 2-16-node tree costs 1.5-2.2x a one-token step although it reads the same weights; with
-the weights packed once, the GEMM for 16 rows reads them as one row does. The path wraps the stock modules (the
-packed weight is built from the module's own weight, the module itself is put back after use); no modelling code is
-copied. Elsewhere (CUDA, other dtypes, a PyTorch without oneDNN) `fast` is the stock path, and says so.
+On a CPU in float32, `fast` changes three things, each through a public hook of transformers or PyTorch:
+- every `nn.Linear` of the target runs with its weight pre-packed once for oneDNN's small-row GEMMs. Stock PyTorch
+  takes a gemv for one row and, for 2+ rows, a GEMM that repacks the weight on every call, so a forward over a
+  2-16-node tree costs 1.5-2.2x a one-token step although it reads the same weights; with the weights packed once,
+  the GEMM for 16 rows reads them as one row does. The packed module is built from the stock module's own weight and
+  the stock module is put back after use.
+- attention under a tree mask runs SDPA on the grouped key/value heads (`enable_gqa`, registered with transformers'
+  `AttentionInterface`): stock transformers copies every layer's cached keys and values once per query-head group
+  whenever a mask is given, i.e. at every tree step.
+- the KV cache (`new_cache`) writes each step's keys and values in place into storage reserved ahead, instead of
+  concatenating every layer's whole cache at every step; compaction moves the accepted nodes within that storage.
+No modelling code is copied. Elsewhere (CUDA, other dtypes, a PyTorch without oneDNN) `fast` is the stock path,
+and says so.
 
 The path is active only inside `ExecutionPath.active()`, which the decoding loop enters for a whole generation:
 transformers' own `generate`, training and anything else that uses the model outside it run the stock modules.
@@ -17,6 +24,10 @@ import contextlib
 from typing import Iterator
 
 import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .errors import SelfspecError
 
@@ -41,6 +52,88 @@ class PackedLinear(torch.nn.Module):
         rows = hidden.reshape(-1, self.in_features)  # [..., in] -> [rows, in]
         output = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return output.view(*hidden.shape[:-1], self.out_features)
+
+
+GROUPED_SDPA = "selfspec_grouped_sdpa"  # the attention implementation the fast path switches `sdpa` models to
+
+
+def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' `sdpa` attention, except that under a mask the grouped key/value heads go to SDPA as they are
+    (`enable_gqa`) instead of being repeated per query head: same products, no copy of the cache. Anything else
+    (no mask, no grouping, position biases, paged caches) is the stock function."""
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1
+            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+class InPlaceLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values live in storage reserved ahead (doubled when full): a step
+    writes its positions in place, and `keys`/`values` are views of the filled prefix. Compaction after verification
+    (`keep`) and trimming (`truncate`) move or drop positions inside that storage."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_store = self._value_store = None
+        self.length = 0
+
+    def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = 0 if self._key_store is None else self._key_store.shape[-2]
+        if needed <= capacity:
+            return
+        capacity = max(256, 2 * needed)
+        key_store = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
+        value_store = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
+        if self.length:
+            key_store[..., : self.length, :] = self.keys
+            value_store[..., : self.length, :] = self.values
+        self._key_store, self._value_store = key_store, value_store
+
+    def _expose(self, length: int) -> None:
+        self.length = length
+        self.keys = self._key_store[..., :length, :]
+        self.values = self._value_store[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        self._reserve(end, key_states, value_states)
+        self._key_store[..., start:end, :] = key_states
+        self._value_store[..., start:end, :] = value_states
+        self._expose(end)
+        return self.keys, self.values
+
+    def keep(self, base: int, offsets: torch.Tensor) -> None:
+        """Keep positions [0, base) and then base + offsets (ascending), packed together from `base` on."""
+        kept = offsets.numel()
+        moved_keys = self._key_store[..., base:, :].index_select(-2, offsets)
+        moved_values = self._value_store[..., base:, :].index_select(-2, offsets)
+        self._key_store[..., base : base + kept, :] = moved_keys
+        self._value_store[..., base : base + kept, :] = moved_values
+        self._expose(base + kept)
+
+    def truncate(self, length: int) -> None:
+        if self.is_initialized and self._key_store is not None:
+            self._expose(min(length, self.length))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.is_initialized and self._key_store is not None:
+            self._expose(max(0, self.length + tokens_to_remove))
+
+    def reset(self) -> None:
+        self._key_store = self._value_store = None
+        self.length = 0
+        super().reset()
 
 
 def fast_path_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
@@ -99,15 +192,27 @@ class ExecutionPath:
             return
         if self._swaps is None:
             self._swaps = self._build_swaps()
+        config = self.model.config
+        attention = config._attn_implementation
         for parent, attribute, _, packed in self._swaps:
             setattr(parent, attribute, packed)
+        if attention == "sdpa":
+            config._attn_implementation = GROUPED_SDPA
         self._depth = 1
         try:
             yield
         finally:
             self._depth = 0
+            config._attn_implementation = attention
             for parent, attribute, stock, _ in self._swaps:
                 setattr(parent, attribute, stock)
+
+    def new_cache(self) -> DynamicCache:
+        """A KV cache for this path: on `fast`, full-attention layers are written in place (InPlaceLayer)."""
+        cache = DynamicCache(config=self.model.config)
+        if self.name == "fast":
+            cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        return cache
 
     def invalidate(self) -> None:
         """Forget the packed weights (after the model's weights change, e.g. an adapter merged into it)."""

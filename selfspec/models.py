@@ -141,7 +141,8 @@ class Target:
         )
 
     def new_cache(self) -> DynamicCache:
-        cache = DynamicCache(config=self.config)
+        """A KV cache for the decoding loop, of the kind the execution path in use writes fastest."""
+        cache = self.execution.new_cache()
         for layer in cache.layers:
             # Sliding layers would otherwise drop old positions *before* rejected tree nodes are compacted away.
             if hasattr(layer, "activate_past_recording"):

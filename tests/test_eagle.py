@@ -56,12 +56,15 @@ def test_head_cache_rolls_back_after_each_proposal(tmp_path):
     target = make_tiny_target("llama")
     drafter = create_drafter("eagle", target, random_eagle_dir(target, tmp_path / "h"))
     speculative_generate(target, drafter, torch.tensor(PROMPT), 12)
-    committed = drafter.position
-    assert drafter.cache.get_seq_length() == committed
-    before = drafter.cache.layers[0].keys.clone()
     from selfspec.heads.base import DraftRequest
     from selfspec.sampling import SamplingConfig
 
+    queued = sum(len(tokens) for _, tokens in drafter.pending)  # the last step's pairs, read at the next proposal
+    committed = drafter.position + queued
+    assert queued > 0 and drafter.cache.get_seq_length() == drafter.position
+    tree = drafter.propose(DraftRequest(5, 3, SamplingConfig(), None))
+    assert tree.size > 1 and drafter.position == drafter.cache.get_seq_length() == committed and not drafter.pending
+    before = drafter.cache.layers[0].keys.clone()
     tree = drafter.propose(DraftRequest(5, 3, SamplingConfig(), None))
     assert tree.size > 1 and drafter.cache.get_seq_length() == committed
     assert torch.equal(drafter.cache.layers[0].keys, before)

@@ -1,5 +1,6 @@
-"""The target's execution paths: the fast CPU path (pre-packed linear weights) computes what the stock modules
-compute, puts them back whatever happens, and decoding through either path equals plain greedy decoding."""
+"""The target's execution paths: the fast CPU path (pre-packed linear weights, grouped-head attention under tree
+masks, a KV cache written in place) computes what the stock modules compute, puts them back whatever happens, and
+decoding through either path equals plain greedy decoding."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.kernels import ExecutionPath, PackedLinear
+from selfspec.kernels import GROUPED_SDPA, ExecutionPath, InPlaceLayer, PackedLinear
 from selfspec.models import Target, load_target
+from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
 
 from .helpers import CORE_FAMILIES, FAMILIES, PROMPT, hf_greedy, make_tiny_target, random_eagle_dir, without_eos
 
@@ -37,6 +39,62 @@ def test_packed_layers_equal_the_stock_ones(family):
     torch.testing.assert_close(fast.logits, stock.logits, atol=1e-4, rtol=1e-4)
     for fast_hidden, stock_hidden in zip(fast.hidden_states, stock.hidden_states):
         torch.testing.assert_close(fast_hidden, stock_hidden, atol=1e-4, rtol=1e-4)
+
+
+TREE = DraftTree(tokens=torch.tensor([17, 5, 9, 33, 40, 8, 5]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_tree_forward_on_the_fast_path_equals_the_stock_one(family):
+    """Under a tree mask the fast path's attention reads the grouped key/value heads without repeating them, and its
+    cache is written in place: logits and the cache after compaction match the stock path's."""
+    target = make_tiny_target(family, kernels="fast")
+    stock = ExecutionPath(target.model, "stock")
+    prefix = torch.tensor([PROMPT])
+    results = {}
+    with torch.inference_mode():
+        for name, path in (("stock", stock), ("fast", target.execution)):
+            with path.active():
+                if name == "fast":  # grouped key/value heads (2 per 4 query heads), read as they are
+                    assert target.config._attn_implementation == GROUPED_SDPA
+                cache = path.new_cache()
+                chunk_forward(target.model, cache, prefix)
+                output = tree_forward(target.model, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu"))
+                compact_cache(cache, TREE.size, (0, 2, 5))  # a second child wins: a gather, not a trim
+                results[name] = output.logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    assert target.config._attn_implementation == "sdpa"  # put back after the block
+    torch.testing.assert_close(results["fast"][0], results["stock"][0], atol=1e-4, rtol=1e-4)
+    for (fast_keys, fast_values), (keys, values) in zip(results["fast"][1], results["stock"][1]):
+        torch.testing.assert_close(fast_keys, keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast_values, values, atol=1e-5, rtol=1e-5)
+
+
+def test_the_in_place_cache_equals_a_fresh_prefill_after_compaction_and_growth():
+    """Steps of trees with non-contiguous accepted paths, past the storage first reserved (so it grows), then a trim:
+    the cache holds exactly what one prefill of the committed tokens computes."""
+    target = make_tiny_target("llama", kernels="fast", max_position_embeddings=512)
+    generator = torch.Generator().manual_seed(0)
+    committed = list(PROMPT)
+    with torch.inference_mode(), target.execution.active():
+        cache = target.new_cache()
+        assert all(type(layer) is InPlaceLayer for layer in cache.layers)
+        chunk_forward(target.model, cache, torch.tensor([committed[:-1]]))
+        for step in range(90):  # 3 tokens a step: past the 256 positions reserved at first
+            tokens = torch.randint(3, 96, (TREE.size,), generator=generator)
+            tokens[0] = committed[-1]
+            tree = DraftTree(tokens=tokens, parents=TREE.parents)
+            tree_forward(target.model, cache, build_tree_inputs(tree, len(committed) - 1, target.dtype, "cpu"))
+            path = (0, 1, 3) if step % 2 else (0, 2, 5)
+            compact_cache(cache, tree.size, path)
+            committed.extend(tree.token_list[i] for i in path[1:])
+            committed.append(int(tokens[-1]))  # the step's own token, whose KV comes with the next tree's root
+        assert cache.get_seq_length() == len(committed) - 1 > 256
+        trim_cache(cache, 100)
+        fresh = target.new_cache()
+        chunk_forward(target.model, fresh, torch.tensor([committed[:100]]))
+    for layer, reference in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(layer.keys, reference.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.values, reference.values, atol=1e-4, rtol=1e-4)
 
 
 def test_stock_modules_come_back_after_errors_and_nesting():

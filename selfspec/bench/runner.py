@@ -34,6 +34,7 @@ class BenchSettings:
     seed: int = 0
     prompt_lookup_tokens: int = 10  # HF's own default draft length for prompt lookup
     early_exit_layer: int | None = None  # None: half the target's layers
+    pace: bool = True  # the decoding loop pauses drafting that does not pay (selfspec.decoding.DraftPacer)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
     sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
-        tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, sampling, seed=seed)
+        tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, sampling, seed=seed, pace=settings.pace)
         return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes)
 
     return run

@@ -154,6 +154,7 @@ class EagleDrafter(VocabHeadDrafter):
         self.position = 0  # position of the last committed pair (= pairs in the head's cache)
         self.root_feature: torch.Tensor | None = None  # [H] the head's feature for the root's position
         self.root_log_probs: torch.Tensor | None = None  # [V_draft] for the root's children
+        self.pending: list[tuple[torch.Tensor, tuple[int, ...]]] = []  # observed pairs the head has not read yet
 
     def _run(self, features, tokens, positions, mask) -> torch.Tensor:
         """One head forward of new pairs after the cache -> [n, H] predicted features (the pairs' KV is cached)."""
@@ -161,6 +162,8 @@ class EagleDrafter(VocabHeadDrafter):
         return self.head(features.to(dtype).unsqueeze(0), tokens.view(1, -1), positions.view(1, -1), mask, self.cache)[0]
 
     def observe(self, observation: Observation) -> None:
+        """Queue the new (feature, token) pairs; the head reads them at the next proposal, in one forward however many
+        steps passed without one (the decoding loop pauses drafting that does not pay)."""
         self.calibrate(observation)
         hidden = observation.hidden.get(-1)
         # Pairs (true feature of position j - 1, token j): after the prefill j = 1 .. L - 1 (rows = prompt[:-1]);
@@ -169,16 +172,27 @@ class EagleDrafter(VocabHeadDrafter):
         if hidden is None or hidden.shape[0] == 0:
             return
         count = min(hidden.shape[0], len(tokens))
+        self.pending.append((hidden[:count], tokens[:count]))
+
+    def _catch_up(self) -> None:
+        """Run the head over the queued pairs: their KV joins the head's cache, the last one gives the root's children."""
+        if not self.pending:
+            return
+        hidden = torch.cat([rows for rows, _ in self.pending])
+        tokens = [token for _, queued in self.pending for token in queued]
+        self.pending = []
+        count = len(tokens)
         device = self.head.fc.weight.device
         positions = torch.arange(self.position + 1, self.position + 1 + count, device=device)
         mask = causal_block_mask(self.position, count, self.head.fc.weight.dtype, device)
         with torch.inference_mode():
-            features = self._run(hidden[:count], torch.tensor(tokens[:count], device=device), positions, mask)
+            features = self._run(hidden, torch.tensor(tokens, device=device), positions, mask)
             self.root_feature = features[-1]
             self.root_log_probs = torch.log_softmax(self.head.draft_logits(features[-1]).float(), dim=-1)
         self.position += count
 
     def propose(self, request: DraftRequest) -> DraftTree:
+        self._catch_up()
         if self.root_log_probs is None or request.max_depth <= 0:
             return DraftTree.root_only(request.root_token)
         committed = self.position

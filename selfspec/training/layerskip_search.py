@@ -136,7 +136,7 @@ def measure_speed(target: Target, drafter, prompts: list[list[int]], max_new_tok
     tokens = forwards = 0
     start = time.perf_counter()
     for prompt in prompts:
-        _, stats = speculative_generate(target, drafter, torch.tensor(prompt), max_new_tokens)
+        _, stats = speculative_generate(target, drafter, torch.tensor(prompt), max_new_tokens, pace=False)
         tokens += stats.new_tokens
         forwards += stats.target_forwards
     return tokens / (time.perf_counter() - start), tokens / max(1, forwards)

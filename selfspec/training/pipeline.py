@@ -41,7 +41,8 @@ def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dic
     for conversation in tqdm(chosen, desc="held-out eval", unit="prompt"):
         user = next(m for m in conversation.messages if m["role"] == "user")
         input_ids = target.encode_messages([user])[:, -min(512, target.context_limit // 2) :]
-        _, stats = speculative_generate(target, drafter_instance, input_ids, config.eval.max_new_tokens, SamplingConfig())
+        _, stats = speculative_generate(target, drafter_instance, input_ids, config.eval.max_new_tokens, SamplingConfig(),
+                                        pace=False)  # acceptance, not speed
         per_prompt.append({"id": conversation.id, "tau": round(stats.mean_accepted_length, 3), "tokens": stats.new_tokens})
         lengths.extend(stats.accepted_lengths)
         tokens += stats.new_tokens

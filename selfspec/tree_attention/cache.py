@@ -14,6 +14,7 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
     """
     kept = len(accepted_path)
     is_chain_prefix = accepted_path == tuple(range(kept))
+    offsets = None
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue  # layers that share another layer's KV hold nothing of their own
@@ -21,7 +22,14 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
         base = stored - n_nodes  # where the tree starts in this layer's storage
         if base < 0:
             raise RuntimeError(f"the cache holds {stored} positions, fewer than the {n_nodes}-node tree just forwarded")
-        if is_chain_prefix:
+        if hasattr(layer, "keep"):  # storage written in place (selfspec.kernels.InPlaceLayer)
+            if is_chain_prefix:
+                layer.truncate(base + kept)
+            else:
+                if offsets is None:
+                    offsets = torch.tensor(accepted_path, device=layer.keys.device)
+                layer.keep(base, offsets)
+        elif is_chain_prefix:
             layer.keys = layer.keys[..., : base + kept, :]
             layer.values = layer.values[..., : base + kept, :]
         else:
@@ -40,5 +48,7 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
 def trim_cache(cache: Cache, length: int) -> None:
     """Keep the first `length` positions of every layer that holds any (a drafter's own cache after a proposal)."""
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+        if hasattr(layer, "truncate"):
+            layer.truncate(length)
+        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
