@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(BIN)/selfspec generate --drafter ngram --prompt "$(PROMPT)" --max-new-tokens 256
+	$(BIN)/selfspec generate --drafter auto --prompt "$(PROMPT)" --max-new-tokens 256
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q tests

@@ -34,7 +34,7 @@ class TextStream:
 class SelfSpec:
     """A target model with a drafter attached.
 
-    >>> spec = SelfSpec("default", drafter="ngram")
+    >>> spec = SelfSpec("default")  # drafter="auto": prompt lookup merged with every trained head found for the model
     >>> result = spec.generate("Write a haiku about caches.", max_new_tokens=64)
     >>> result.text, result.stats.mean_accepted_length
     """
@@ -42,7 +42,7 @@ class SelfSpec:
     def __init__(
         self,
         model: str | os.PathLike | Target = DEFAULT_MODEL,
-        drafter: str = "ngram",
+        drafter: str = "auto",
         heads: str | os.PathLike | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
     _add_model_args(generate)
-    generate.add_argument("--drafter", default="ngram", help="drafter spec: a name (see `selfspec drafters`) with options, e.g. layerskip:adaptive=false,max_draft=6")
+    generate.add_argument("--drafter", default="auto", help="drafter spec: a name (see `selfspec drafters`) with options, e.g. layerskip:adaptive=false,max_draft=6 (default: auto, prompt lookup merged with the trained heads found for the model)")
     generate.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
     generate.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -140,7 +140,8 @@ def _generate(args) -> None:
         chat=not args.raw,
     )
     print()
-    print(f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} {result.stats.summary()}",
+    sources = f" accepted by source: {spec.drafter.contributions()}" if hasattr(spec.drafter, "contributions") else ""
+    print(f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} {result.stats.summary()}{sources}",
           file=sys.stderr)
 
 

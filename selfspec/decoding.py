@@ -208,7 +208,7 @@ def speculative_generate(
             observe_start = time.perf_counter()
             path = torch.tensor(result.accepted_path, device=device)
             hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
-            drafter.observe(Observation(emitted, hidden, result, tree))
+            drafter.observe(Observation(emitted, hidden, result, tree, forward_s))
             now = time.perf_counter()
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
             pacer.record(tree.size, len(emitted), now - step_start, forward_s,

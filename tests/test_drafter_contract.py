@@ -48,7 +48,7 @@ from .helpers import (
     without_eos,
 )
 
-BUILTIN = {"none", "ngram", "medusa", "eagle", "dflash", "layerskip"}
+BUILTIN = {"none", "ngram", "medusa", "eagle", "dflash", "layerskip", "auto"}
 CHI_PROMPT = [5, 3, 5]  # a prefill for the heads' hidden states, and a repeat for prompt lookup to copy
 CHI_SAMPLES = 4_000
 
@@ -110,6 +110,13 @@ CASES: dict[str, Case] = {
         resave=_resave_skip_file,
         greedy_options=({}, {"branch_threshold": 0.9, "threshold": 0.2}, {"adaptive": False, "max_draft": 2}),
         chi_options={"branch_threshold": 1.0, "max_draft": 2},
+        drafts=True,
+    ),
+    "auto": Case(  # one tree merged from prompt lookup and an EAGLE head (the heads directory goes to its kind)
+        make_artifacts=lambda target, path, reduced: random_eagle_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        resave=_resave_head("eagle"),
+        greedy_options=({}, {"sources": ("ngram", "eagle"), "max_nodes": 4}, {"sources": ("eagle", "ngram")}),
+        chi_options={"sources": ("ngram", "eagle"), "max_nodes": 6},
         drafts=True,
     ),
 }
@@ -246,8 +253,9 @@ def test_options_parse_typed_from_specs_and_keywords(name):
 def _sample_value(hint, default) -> tuple[str, object]:
     """A valid value of an option's type, as typed on a command line and as Python."""
     options = set(typing.get_args(hint)) or {hint}
-    if any(typing.get_origin(option) is tuple for option in options):
-        return "1+2", (1, 2)
+    tuples = [option for option in options if typing.get_origin(option) is tuple]
+    if tuples:
+        return ("ngram+eagle", ("ngram", "eagle")) if typing.get_args(tuples[0])[0] is str else ("1+2", (1, 2))
     if bool in options:
         return ("false", False) if default is not False else ("true", True)
     if int in options:

@@ -45,6 +45,7 @@ class Observation:
     tree: DraftTree | None  # the tree that was verified, None after the prefill
     # hidden rows: after the prefill, the prompt minus its last token; after a step, the accepted path's nodes
     # (root first). The target's extra token is never forwarded in the step that produced it.
+    forward_s: float = 0.0  # seconds the target took to verify the tree (its forward and the verifier); 0 if unknown
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,8 @@ class LayerSkipDrafter(Drafter):
             self.committed = list(observation.new_tokens)
         else:
             self.committed.extend(observation.new_tokens)
-            self._adapt(len(observation.result.accepted_path) - 1)
+            if observation.tree is not None and observation.tree.size > 1:  # a step it drafted for
+                self._adapt(len(observation.result.accepted_path) - 1)
         # Keep the draft KV of the longest prefix the committed text shares with what the draft cache holds.
         keep = 0
         for cached_token, committed_token in zip(self.cached, self.committed):

@@ -1,0 +1,158 @@
+"""`auto`: merging the sources' trees, the per-source acceptance estimates, skipping sources that do not pay, and
+each source's own view of a step whose accepted path came from another source."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.cost import CostCurve
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter, register_drafter, unregister_drafter
+from selfspec.heads.auto import SourcePacing, SourceRates, merge_trees, select_nodes
+from selfspec.tree_attention import DraftTree
+
+from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_eagle_dir, without_eos
+
+
+def tree(root: int, paths: list[list[int]]) -> DraftTree:
+    return DraftTree.from_paths(root, paths)
+
+
+def rates(**by_source: float) -> dict[str, SourceRates]:
+    """Sources whose every node is accepted with the given chance (a strong prior, nothing observed)."""
+    out = {}
+    for name, chance in by_source.items():
+        estimate = SourceRates(prior_weight=1e6)
+        estimate.PRIOR = (chance, chance, chance)
+        out[name] = estimate
+    return out
+
+
+def test_shared_prefixes_merge_and_a_node_keeps_its_best_score():
+    trees = {"a": tree(7, [[1, 2, 3]]), "b": tree(7, [[1, 2, 4], [5]])}
+    paths, scores, node_paths = merge_trees(7, trees, rates(a=0.9, b=0.5))
+    assert paths == [(1,), (1, 2), (1, 2, 3), (1, 2, 4), (5,)]  # 1 -> 2 proposed twice, one path
+    expected = {(1,): 0.9, (1, 2): 0.81, (1, 2, 3): 0.729, (1, 2, 4): 0.125, (5,): 0.5}
+    assert scores == pytest.approx([expected[path] for path in paths])
+    assert node_paths["b"] == [(), (1,), (1, 2), (1, 2, 4), (5,)]
+    with pytest.raises(SelfspecError, match="source 'a' rooted its tree at 3"):
+        merge_trees(7, {"a": tree(3, [[1]])}, rates(a=0.5))
+
+
+def test_duplicate_tokens_from_two_sources_become_one_node():
+    trees = {"a": tree(7, [[1], [2]]), "b": tree(7, [[2], [1]])}
+    paths, scores, _ = merge_trees(7, trees, rates(a=0.6, b=0.3))
+    assert paths == [(1,), (2,)] and scores == pytest.approx([0.6, 0.6])
+
+
+def test_the_budget_keeps_the_best_nodes_and_their_parents():
+    trees = {"a": tree(7, [[1, 2, 3, 4]]), "b": tree(7, [[9], [8]])}
+    paths, scores, _ = merge_trees(7, trees, rates(a=0.95, b=0.3))
+    # A curve on which each node costs 0.5 of a step: nodes with a chance above ~1/3 pay, at most 4 nodes.
+    curve = CostCurve((1, 2, 3, 4, 5, 6, 7), (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0), source="test")
+    kept = select_nodes(paths, scores, curve, max_nodes=4)
+    assert kept == [(1,), (1, 2), (1, 2, 3)]  # the max_nodes cap (root included) cuts the deepest first
+    kept = select_nodes(paths, scores, FLAT, max_nodes=64)
+    assert set(kept) == set(paths)
+    for path in kept:  # closed under parents, parents listed first
+        assert len(path) == 1 or kept.index(path[:-1]) < kept.index(path)
+
+
+def test_acceptance_estimates_follow_the_accept_history():
+    estimate = SourceRates(prior_weight=2.0)
+    assert estimate.rate(1, 0) == pytest.approx(0.5) and estimate.rate(1, 1) == pytest.approx(0.15)
+    for accepted in [True] * 8:
+        estimate.record(1, 0, accepted)
+    for accepted in [False] * 8:
+        estimate.record(1, 1, accepted)
+        estimate.record(2, 0, accepted)
+    assert estimate.rate(1, 0) == pytest.approx((8 + 1.0) / (8 + 2))
+    assert estimate.rate(1, 1) == pytest.approx(0.3 / 10)
+    assert estimate.rate(2, 0) == pytest.approx(1.0 / 10)
+    assert estimate.rate(1, 5) == estimate.rate(1, 2)  # ranks past the second share one estimate
+
+
+def test_a_source_that_does_not_pay_is_asked_less_often():
+    pacing = SourcePacing()
+    asked = []
+    for _ in range(4 + 4 + 4 + 8 + 4):
+        ask = pacing.ask()
+        asked.append(ask)
+        if ask:
+            pacing.record(tokens=0, cost=0.3)
+    assert asked == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 8 + [True] * 4
+    for _ in range(16):  # the last window failed too: 16 skipped steps, then a window that pays
+        assert not pacing.ask()
+    for _ in range(4):
+        assert pacing.ask()
+        pacing.record(tokens=2, cost=0.3)
+    assert pacing.next_skip == SourcePacing.FIRST_SKIP
+
+
+class _Oracle(OracleDrafter):
+    full: list[int] = []
+
+    def __init__(self, target, cost_curve, options=None):
+        super().__init__(target, self.full)
+        self.cost_curve = cost_curve
+
+
+@pytest.fixture
+def oracle_source():
+    register_drafter("oracle-source")(_Oracle)
+    yield _Oracle
+    unregister_drafter("oracle-source")
+
+
+def test_sources_keep_their_own_state_when_another_source_wins(tmp_path, oracle_source):
+    """An oracle source knows the continuation; the EAGLE head is random: the accepted paths come from the oracle's
+    tree. EAGLE still reads every committed pair (its cache stays in step with the text), and its own view of each
+    step holds only what its own tree had accepted."""
+    target = without_eos(make_tiny_target("llama"))
+    prompt = PROMPT
+    reference = hf_greedy(target, prompt, 24, eos=-1)
+    oracle_source.full = list(prompt) + reference
+    auto = create_drafter("auto:sources=oracle-source+eagle", target, random_eagle_dir(target, tmp_path / "h"))
+    auto.cost_curve = FLAT
+    assert auto.sources["eagle"].cost_curve is FLAT  # the curve reaches the sources
+    seen = {name: [] for name in auto.sources}
+    for name, source in auto.sources.items():
+        observe = source.observe
+
+        def spy(observation, name=name, observe=observe):
+            seen[name].append(observation)
+            observe(observation)
+
+        source.observe = spy
+    tokens, stats = speculative_generate(target, auto, torch.tensor(prompt), 24, pace=False)
+    assert list(tokens) == reference
+    for name, observations in seen.items():
+        committed = [t for observation in observations[1:] for t in observation.new_tokens]
+        assert committed == list(tokens[: len(committed)])  # every source saw every committed token
+        for observation in observations[1:]:
+            own = observation.result
+            assert own.accepted_path[0] == 0 and all(i < observation.tree.size for i in own.accepted_path)
+            assert own.accepted_tokens == observation.new_tokens[: len(own.accepted_tokens)]
+    eagle = auto.sources["eagle"]
+    eagle.propose(type("R", (), {"root_token": tokens[-1], "max_depth": 2, "sampling": None, "generator": None})())
+    # Its cache holds a pair for every position the loop reported (the last step is never observed: the loop ends).
+    assert eagle.position == len(prompt) - 1 + len(tokens) - stats.accepted_lengths[-1]
+    assert max(stats.accepted_lengths) > 2 and auto.accepted_by_source["oracle-source"] > 10
+    eagle_views = [observation.result for observation in seen["eagle"][1:]]
+    assert sum(len(view.accepted_tokens) for view in eagle_views) == auto.accepted_by_source["eagle"]
+    assert auto.accepted_by_source["eagle"] < auto.accepted_by_source["oracle-source"]
+
+
+def test_bad_sources_are_one_line_errors(tmp_path):
+    target = make_tiny_target("llama")
+    with pytest.raises(SelfspecError, match="unknown drafter 'nope'"):
+        create_drafter("auto:sources=ngram+nope", target)
+    with pytest.raises(SelfspecError, match="distinct drafters other than auto and none"):
+        create_drafter("auto:sources=ngram+ngram", target)
+    with pytest.raises(SelfspecError, match="holds 'eagle' heads, which is not among the sources ngram"):
+        create_drafter("auto:sources=ngram", target, random_eagle_dir(target, tmp_path / "h"))
+    with pytest.raises(SelfspecError, match="holds no drafter's heads"):
+        create_drafter("auto", target, tmp_path)
+    assert list(create_drafter("auto", target).sources) == ["ngram"]  # no heads for this model: lookup alone
