@@ -61,14 +61,16 @@ class GenerationResult:
 
 
 class DraftPacer:
-    """Stops asking the drafter for trees while drafting does not pay, on this machine, for this request.
+    """Stops asking the drafter for trees while drafting does not pay, on this machine.
 
     Every PROBE_STEPS drafting steps it compares their wall time per emitted token (proposal, verification and
     bookkeeping together) with what a plain one-token step costs: measured on steps that verified the root alone,
     estimated until then from the drafting steps themselves with the verification forward scaled down by the cost
     curve. Drafting that emitted tokens more slowly than plain decoding would is paused for a number of steps that
     doubles each time a probe fails again (from FIRST_PAUSE up to MAX_PAUSE) and falls back to FIRST_PAUSE when a
-    probe pays. Which trees are verified never changes what is emitted: pacing only moves speed.
+    probe pays. The schedule lives on the drafter (`Drafter.pacing`), so the next request on the same drafter goes
+    on where this one stopped, with half of any pause left. Which trees are verified never changes what is
+    emitted: pacing only moves speed.
     """
 
     PROBE_STEPS = 4
@@ -83,9 +85,16 @@ class DraftPacer:
         self.paused_steps = 0
         self._pause_left = 0
         self._next_pause = self.FIRST_PAUSE
+        if enabled and drafter.pacing is not None:
+            self._pause_left, self._next_pause = drafter.pacing[0] // 2, drafter.pacing[1]
         self._window_s = self._window_tokens = 0.0
         self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
         self._window_steps = 0
+
+    def remember(self, drafter: Drafter) -> None:
+        """Leave the schedule (pause left, next pause) on the drafter for its next request."""
+        if self.enabled:
+            drafter.pacing = (self._pause_left, self._next_pause)
 
     def should_draft(self) -> bool:
         if self._pause_left > 0:
@@ -213,6 +222,7 @@ def speculative_generate(
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
             pacer.record(tree.size, len(emitted), now - step_start, forward_s,
                          (forward_start - step_start) + (now - observe_start))
+    pacer.remember(drafter)
     stats = GenerationStats(
         new_tokens=len(new_tokens),
         target_forwards=len(accepted_lengths),

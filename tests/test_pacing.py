@@ -17,6 +17,7 @@ CURVE = CostCurve((1, 2, 16), (1.0, 1.0, 2.0), source="test")
 
 class _Timed:
     cost_curve = CURVE
+    pacing = None
 
 
 def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -> list[bool]:
@@ -44,6 +45,19 @@ def test_drafting_that_does_not_pay_is_paused_with_a_doubling_back_off():
     # pauses for 8 steps again.
     assert drafting_steps(pacer, 32 + 4, step_s=0.15, emitted=2) == [False] * 32 + [True] * 4
     assert drafting_steps(pacer, 4 + 9, step_s=0.15, emitted=1) == [True] * 4 + [False] * 8 + [True]
+
+
+def test_the_schedule_carries_over_to_the_drafters_next_request():
+    drafter = _Timed()
+    pacer = DraftPacer(drafter)
+    drafting_steps(pacer, 4 + 8 + 4 + 3, step_s=0.15, emitted=1)  # two failed probes: 13 of a 16-step pause left
+    pacer.remember(drafter)
+    assert drafter.pacing == (13, 32)
+    following = DraftPacer(drafter)  # the next request: half the pause left, then the 32-step pause if it fails again
+    assert drafting_steps(following, 6 + 4 + 1, step_s=0.15, emitted=1) == [False] * 6 + [True] * 4 + [False]
+    assert following._pause_left == 31
+    DraftPacer(drafter, enabled=False).remember(drafter)  # an unpaced request leaves the schedule alone
+    assert drafter.pacing == (13, 32)
 
 
 def test_a_disabled_pacer_never_pauses():

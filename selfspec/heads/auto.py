@@ -88,6 +88,11 @@ class SourcePacing:
         self.tokens = self.cost = 0.0
         self.steps = 0
 
+    def new_request(self) -> None:
+        self.skip_left //= 2
+        self.tokens = self.cost = 0.0
+        self.steps = 0
+
     def ask(self) -> bool:
         if self.skip_left > 0:
             self.skip_left -= 1
@@ -172,6 +177,9 @@ class AutoDrafter(Drafter):
         self.sources = sources
         self.hidden_layers = tuple(sorted({layer for source in sources.values() for layer in source.hidden_layers}))
         self.accepted_by_source: dict[str, int] = {name: 0 for name in sources}  # over the drafter's life
+        # Whether each source pays is a property of the source on this machine more than of one request: the
+        # schedule carries over (with half of any skip left), while the acceptance estimates start afresh.
+        self.source_pacing = {name: SourcePacing() for name in sources}
         self.reset()
 
     @classmethod
@@ -216,7 +224,8 @@ class AutoDrafter(Drafter):
         for source in self.sources.values():
             source.reset()
         self.rates = {name: SourceRates(self.options.prior_weight) for name in self.sources}
-        self.pacing = {name: SourcePacing() for name in self.sources}
+        for pacing in self.source_pacing.values():
+            pacing.new_request()
         self.proposals: dict[str, _Proposal] = {}
         self.tree_paths: list[tuple[int, ...]] = [()]  # the merged tree's node paths, root first
 
@@ -227,7 +236,7 @@ class AutoDrafter(Drafter):
             return DraftTree.root_only(request.root_token)
         trees, seconds = {}, {}
         for name, source in self.sources.items():
-            if self.pacing[name].ask():
+            if self.source_pacing[name].ask():
                 start = time.perf_counter()
                 trees[name] = source.propose(request)
                 seconds[name] = time.perf_counter() - start
@@ -262,7 +271,7 @@ class AutoDrafter(Drafter):
             self.accepted_by_source[name] += own_tokens
             self._learn(name, proposal, own.result.accepted_path)
             if unit_s > 0:
-                self.pacing[name].record(own_tokens, proposal.seconds / unit_s)
+                self.source_pacing[name].record(own_tokens, proposal.seconds / unit_s)
             source.observe(own)
         self.proposals = {}
 
