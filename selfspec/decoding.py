@@ -67,8 +67,7 @@ class DraftPacer:
     bookkeeping together) with what a plain one-token step costs: measured on steps that verified the root alone,
     estimated until then from the drafting steps themselves with the verification forward scaled down by the cost
     curve. Drafting that emitted tokens more slowly than plain decoding would is paused for a number of steps that
-    doubles each time a probe fails again (from FIRST_PAUSE up to MAX_PAUSE) and falls back to FIRST_PAUSE when a
-    probe pays. The schedule lives on the drafter (`Drafter.pacing`), so the next request on the same drafter goes
+    doubles each time a probe fails again (from FIRST_PAUSE up to MAX_PAUSE) and halves each time a probe pays. The schedule lives on the drafter (`Drafter.pacing`), so the next request on the same drafter goes
     on where this one stopped, with half of any pause left. Which trees are verified never changes what is
     emitted: pacing only moves speed.
     """
@@ -120,8 +119,8 @@ class DraftPacer:
         if self._window_s / self._window_tokens > plain_s:
             self._pause_left = self._next_pause
             self._next_pause = min(2 * self._next_pause, self.MAX_PAUSE)
-        else:
-            self._next_pause = self.FIRST_PAUSE
+        else:  # one lucky window does not undo a long record: the back-off shrinks as it grew
+            self._next_pause = max(self.FIRST_PAUSE, self._next_pause // 2)
         self._window_s = self._window_tokens = self._window_plain_s = 0.0
         self._window_steps = 0
 

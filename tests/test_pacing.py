@@ -41,9 +41,11 @@ def test_drafting_that_does_not_pay_is_paused_with_a_doubling_back_off():
     asked = drafting_steps(pacer, 4 + 8 + 4 + 16 + 4, step_s=0.15, emitted=1)
     assert asked == [True] * 4 + [False] * 8 + [True] * 4 + [False] * 16 + [True] * 4
     assert pacer.paused_steps == 24 and pacer.plain_s == 0.1
-    # After the 32-step pause, a probe that pays (0.15 s for 2 tokens) ends the back-off: the next failing probe
-    # pauses for 8 steps again.
+    # After the 32-step pause, a probe that pays (0.15 s for 2 tokens) halves the back-off (64 -> 32); two more
+    # paying windows bring it to 8, where the next failing probe pauses for 8 steps again.
     assert drafting_steps(pacer, 32 + 4, step_s=0.15, emitted=2) == [False] * 32 + [True] * 4
+    assert pacer._next_pause == 32
+    assert all(drafting_steps(pacer, 8, step_s=0.15, emitted=2)) and pacer._next_pause == 8
     assert drafting_steps(pacer, 4 + 9, step_s=0.15, emitted=1) == [True] * 4 + [False] * 8 + [True]
 
 

@@ -76,7 +76,7 @@ class SourceRates:
 class SourcePacing:
     """Whether a source pays: accepted tokens its own tree held versus its drafting time in plain target steps,
     over windows of WINDOW asked steps. A window that does not pay skips the source for a number of steps that
-    doubles while it keeps not paying."""
+    doubles while it keeps not paying and halves with each window that pays."""
 
     WINDOW = 4
     FIRST_SKIP = 4
@@ -108,8 +108,8 @@ class SourcePacing:
         if self.tokens < self.cost:
             self.skip_left = self.next_skip
             self.next_skip = min(2 * self.next_skip, self.MAX_SKIP)
-        else:
-            self.next_skip = self.FIRST_SKIP
+        else:  # halved, not reset: one lucky window does not undo a long record
+            self.next_skip = max(self.FIRST_SKIP, self.next_skip // 2)
         self.tokens = self.cost = 0.0
         self.steps = 0
 
