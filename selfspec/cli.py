@@ -6,6 +6,7 @@ Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, nev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -264,6 +265,7 @@ def _drafters(args) -> None:
         entry = drafter_entry(name)
         options = ", ".join(f.name for f in fields(entry.options_cls)) or "-"
         kind = "trained" if entry.recipe else ("tuned" if entry.has_artifacts else "parameter-free")
+        kind = "composite" if "sources" in {f.name for f in dataclasses.fields(entry.options_cls)} else kind
         print(f"{name:<10} {kind:<15} options: {options}")
 
 
