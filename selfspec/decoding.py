@@ -6,6 +6,7 @@ when sampling, whatever the drafter proposes.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -63,17 +64,19 @@ class GenerationResult:
 class DraftPacer:
     """Stops asking the drafter for trees while drafting does not pay, on this machine.
 
-    Every PROBE_STEPS drafting steps it compares their wall time per emitted token (proposal, verification and
-    bookkeeping together) with what a plain one-token step costs: measured on steps that verified the root alone,
-    estimated until then from the drafting steps themselves with the verification forward scaled down by the cost
-    curve. Drafting that emitted tokens more slowly than plain decoding would is paused for a number of steps that
-    doubles each time a probe fails again (from FIRST_PAUSE up to MAX_PAUSE) and halves each time a probe pays. The schedule lives on the drafter (`Drafter.pacing`), so the next request on the same drafter goes
-    on where this one stopped, with half of any pause left. Which trees are verified never changes what is
-    emitted: pacing only moves speed.
+    Every PROBE_STEPS drafting steps it compares their wall time with what plain decoding would have taken for the
+    tokens they emitted (a plain step measured on steps that verified the root alone; estimated until then from the
+    drafting steps themselves, the verification forward scaled down by the cost curve). A window that lost time
+    pauses drafting for as many steps as keep that loss within PROBE_SHARE of the time the pause and the probe take
+    together (at least MIN_PAUSE, at most MAX_PAUSE): a cheap drafter that missed a few times (prompt lookup) is
+    asked again soon, an expensive one (layer-skip) rarely. What is left of a pause carries over, halved, to the
+    drafter's next request (`Drafter.pacing`). Which trees are verified never changes what is emitted: pacing only
+    moves speed.
     """
 
     PROBE_STEPS = 4
-    FIRST_PAUSE = 8
+    PROBE_SHARE = 0.05
+    MIN_PAUSE = 4
     MAX_PAUSE = 256
     _PLAIN_DECAY = 0.7  # weight of the older plain-step timings in the running estimate
 
@@ -82,18 +85,15 @@ class DraftPacer:
         self.enabled = enabled
         self.plain_s: float | None = None  # one plain step, measured
         self.paused_steps = 0
-        self._pause_left = 0
-        self._next_pause = self.FIRST_PAUSE
-        if enabled and drafter.pacing is not None:
-            self._pause_left, self._next_pause = drafter.pacing[0] // 2, drafter.pacing[1]
+        self._pause_left = drafter.pacing // 2 if enabled and drafter.pacing else 0
         self._window_s = self._window_tokens = 0.0
         self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
         self._window_steps = 0
 
     def remember(self, drafter: Drafter) -> None:
-        """Leave the schedule (pause left, next pause) on the drafter for its next request."""
+        """Leave what is left of the pause on the drafter for its next request."""
         if self.enabled:
-            drafter.pacing = (self._pause_left, self._next_pause)
+            drafter.pacing = self._pause_left
 
     def should_draft(self) -> bool:
         if self._pause_left > 0:
@@ -116,11 +116,10 @@ class DraftPacer:
         if self._window_steps < self.PROBE_STEPS:
             return
         plain_s = self.plain_s if self.plain_s is not None else self._window_plain_s / self._window_steps
-        if self._window_s / self._window_tokens > plain_s:
-            self._pause_left = self._next_pause
-            self._next_pause = min(2 * self._next_pause, self.MAX_PAUSE)
-        else:  # one lucky window does not undo a long record: the back-off shrinks as it grew
-            self._next_pause = max(self.FIRST_PAUSE, self._next_pause // 2)
+        lost_s = self._window_s - self._window_tokens * plain_s  # versus plain decoding of the same tokens
+        if lost_s > 0:
+            pause = math.ceil(lost_s / (self.PROBE_SHARE * plain_s))
+            self._pause_left = min(self.MAX_PAUSE, max(self.MIN_PAUSE, pause))
         self._window_s = self._window_tokens = self._window_plain_s = 0.0
         self._window_steps = 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from selfspec.cost import CostCurve
@@ -33,33 +34,39 @@ def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -
     return asked
 
 
-def test_drafting_that_does_not_pay_is_paused_with_a_doubling_back_off():
+def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost():
     pacer = DraftPacer(_Timed())
     # 0.15 s a step for 1.2 tokens: 0.125 s a token; a plain step would cost ~0.13 s here (0.15 - 0.02 - 0.1 + 0.1).
     assert all(drafting_steps(pacer, 8, step_s=0.15, emitted=1.2))
-    # 0.15 s a step for 1 token, against plain steps measured at 0.1 s: paused after each 4-step probe, 8, 16, 32.
-    asked = drafting_steps(pacer, 4 + 8 + 4 + 16 + 4, step_s=0.15, emitted=1)
-    assert asked == [True] * 4 + [False] * 8 + [True] * 4 + [False] * 16 + [True] * 4
-    assert pacer.paused_steps == 24 and pacer.plain_s == 0.1
-    # After the 32-step pause, a probe that pays (0.15 s for 2 tokens) halves the back-off (64 -> 32); two more
-    # paying windows bring it to 8, where the next failing probe pauses for 8 steps again.
-    assert drafting_steps(pacer, 32 + 4, step_s=0.15, emitted=2) == [False] * 32 + [True] * 4
-    assert pacer._next_pause == 32
-    assert all(drafting_steps(pacer, 8, step_s=0.15, emitted=2)) and pacer._next_pause == 8
-    assert drafting_steps(pacer, 4 + 9, step_s=0.15, emitted=1) == [True] * 4 + [False] * 8 + [True]
+    # 0.15 s a step for 1 token. Before any plain step is measured the window is judged against the estimate
+    # (0.13 s): it lost 0.08 s, a 13-step pause. Against plain steps then measured at 0.1 s a window loses
+    # 4 x 0.05 s = 2 plain steps, so it pauses 2 / 0.05 = 40 steps, which keeps probing at 5% of the time.
+    asked = drafting_steps(pacer, 4 + 13 + 4 + 40 + 1, step_s=0.15, emitted=1)
+    assert asked == [True] * 4 + [False] * 13 + [True] * 4 + [False] * 40 + [True]
+    assert pacer.paused_steps == 53 and pacer.plain_s == pytest.approx(0.1)
+    # A cheap drafter that just missed (0.105 s for 1 token) pauses only MIN_PAUSE steps; a costly one at most 256.
+    cheap = DraftPacer(_Timed())
+    cheap.plain_s = 0.1
+    assert drafting_steps(cheap, 4 + 5, step_s=0.105, emitted=1) == [True] * 4 + [False] * 4 + [True]
+    costly = DraftPacer(_Timed())
+    costly.plain_s = 0.1
+    drafting_steps(costly, 4, step_s=1.0, emitted=1)
+    assert costly._pause_left == DraftPacer.MAX_PAUSE
+    # A window that pays leaves drafting on.
+    assert all(drafting_steps(cheap, 8, step_s=0.15, emitted=2))
 
 
 def test_the_schedule_carries_over_to_the_drafters_next_request():
     drafter = _Timed()
     pacer = DraftPacer(drafter)
-    drafting_steps(pacer, 4 + 8 + 4 + 3, step_s=0.15, emitted=1)  # two failed probes: 13 of a 16-step pause left
+    pacer.plain_s = 0.1
+    drafting_steps(pacer, 4 + 14, step_s=0.15, emitted=1)  # a 40-step pause, 26 of it left
     pacer.remember(drafter)
-    assert drafter.pacing == (13, 32)
-    following = DraftPacer(drafter)  # the next request: half the pause left, then the 32-step pause if it fails again
-    assert drafting_steps(following, 6 + 4 + 1, step_s=0.15, emitted=1) == [False] * 6 + [True] * 4 + [False]
-    assert following._pause_left == 31
+    assert drafter.pacing == 26
+    following = DraftPacer(drafter)  # the next request: half the pause left
+    assert drafting_steps(following, 13 + 1, step_s=0.15, emitted=1) == [False] * 13 + [True]
     DraftPacer(drafter, enabled=False).remember(drafter)  # an unpaced request leaves the schedule alone
-    assert drafter.pacing == (13, 32)
+    assert drafter.pacing == 26
 
 
 def test_a_disabled_pacer_never_pauses():

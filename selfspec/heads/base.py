@@ -106,9 +106,9 @@ class Drafter(ABC):
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # indices into the target's hidden_states; -1 is the LM head's input
-    # The decoding loop's pacing schedule for this drafter, carried from one request to the next: (steps of pause
-    # left, next pause length); None before its first request. See selfspec.decoding.DraftPacer.
-    pacing: tuple[int, int] | None = None
+    # The decoding loop's pacing of this drafter, carried from one request to the next: steps of pause left (None
+    # before its first request). See selfspec.decoding.DraftPacer.
+    pacing: int | None = None
 
     def __init__(self, target: Target, cost_curve: CostCurve, options=None):
         self.target = target
