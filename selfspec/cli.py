@@ -6,7 +6,6 @@ Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, nev
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -220,7 +219,8 @@ def _train(args) -> None:
 def _tune(args) -> None:
     from pathlib import Path
 
-    from .heads.layerskip import SKIP_FILE, user_skip_path
+    from .heads.artifacts import SKIP_FILE
+    from .heads.layerskip import user_skip_path
     from .models import load_target
     from .training.layerskip_search import TuneOptions, tune_layerskip
 
@@ -264,8 +264,7 @@ def _drafters(args) -> None:
     for name in drafter_names():
         entry = drafter_entry(name)
         options = ", ".join(f.name for f in fields(entry.options_cls)) or "-"
-        kind = "trained" if entry.recipe else ("tuned" if entry.has_artifacts else "parameter-free")
-        kind = "composite" if "sources" in {f.name for f in dataclasses.fields(entry.options_cls)} else kind
+        kind = "composite" if entry.composite else "trained" if entry.recipe else ("tuned" if entry.has_artifacts else "parameter-free")
         print(f"{name:<10} {kind:<15} options: {options}")
 
 

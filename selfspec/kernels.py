@@ -127,8 +127,8 @@ class InPlaceLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
-        if tokens_to_remove and self.is_initialized and self._key_store is not None:
-            self._expose(max(0, self.length + tokens_to_remove))
+        if tokens_to_remove:
+            self.truncate(max(0, self.length + tokens_to_remove))
 
     def reset(self) -> None:
         self._key_store = self._value_store = None

@@ -21,6 +21,7 @@ from ..options import from_dict, to_dict
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+SKIP_FILE = "layerskip.json"  # tuned layer-skip data: a file of its own, or one inside a directory
 ADAPTER = "adapter"
 SHIPPED_DIR = Path(__file__).parent / "trained"  # heads shipped in the repository, for the default model
 
@@ -131,3 +132,16 @@ def find_shipped_head(target: Target, drafter: str, config_cls) -> Path:
     raise SelfspecError(
         f"no shipped '{drafter}' heads match this model: train some with `selfspec train {drafter}` and pass --heads DIR"
     )
+
+
+def heads_kind(path: Path) -> str | None:
+    """Which drafter a heads path is for: a heads directory names it in its config; a skip file (or a directory
+    holding one) is layer-skip tuned data; None for anything else."""
+    path = Path(path)
+    if path.is_file():
+        return "layerskip"
+    try:
+        document = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return "layerskip" if (path / SKIP_FILE).is_file() else None
+    return document.get("drafter") if isinstance(document, dict) else None

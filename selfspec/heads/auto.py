@@ -15,7 +15,6 @@ for a while, longer each time it still does not pay; skipped sources still obser
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree, VerifyResult
-from .artifacts import CONFIG
+from .artifacts import heads_kind
 from .base import DraftRequest, Drafter, Observation, drafter_entry, drafter_names, register_drafter
 
 DEFAULT_SOURCES = ("ngram", "eagle", "dflash", "medusa")  # the artifact drafters join when they have heads here
@@ -132,9 +131,9 @@ def merge_trees(root_token: int, trees: dict[str, DraftTree], rates: dict[str, S
         if tree.token_list[0] != root_token:
             raise SelfspecError(f"auto: source '{name}' rooted its tree at {tree.token_list[0]}, not at {root_token}")
         tokens, own_paths, own_scores = tree.token_list, [()], [1.0]
+        rank_of = {child: rank for children in tree.child_lists for rank, child in enumerate(children)}
         for node in range(1, tree.size):
-            parent = tree.parent_list[node]
-            rank = tree.children(parent).index(node)
+            parent, rank = tree.parent_list[node], rank_of[node]
             path = own_paths[parent] + (tokens[node],)
             own_paths.append(path)
             own_scores.append(own_scores[parent] * rates[name].rate(tree.depth_list[node], rank))
@@ -156,19 +155,7 @@ def select_nodes(paths: list[tuple[int, ...]], scores: list[float], curve: CostC
     return [paths[i] for i in order[: size - 1]]
 
 
-def heads_kind(path: Path) -> str | None:
-    """Which drafter a heads path is for: a heads directory names it in its config; a file is layer-skip tuned data."""
-    path = Path(path)
-    if path.is_file():
-        return "layerskip"
-    try:
-        document = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError):
-        return "layerskip" if (path / "layerskip.json").is_file() else None
-    return document.get("drafter") if isinstance(document, dict) else None
-
-
-@register_drafter("auto", options=AutoOptions)
+@register_drafter("auto", options=AutoOptions, composite=True)
 class AutoDrafter(Drafter):
     def __init__(self, target: Target, cost_curve: CostCurve, options: AutoOptions, sources: dict[str, Drafter]):
         super().__init__(target, cost_curve, options)

@@ -149,6 +149,7 @@ class DrafterEntry:
     options_cls: type  # a frozen dataclass, every field with a default
     config_cls: type | None  # the config of its trained heads or tuned data; None = parameter-free
     recipe: str | None  # "module:function" of its training recipe, None = not trainable with `selfspec train`
+    composite: bool = False  # drafts through other registered drafters (its sources), e.g. `auto`
 
     @property
     def has_artifacts(self) -> bool:
@@ -160,13 +161,13 @@ _REGISTRY: dict[str, DrafterEntry] = {}
 
 
 def register_drafter(name: str, options: type = NoOptions, config: type | None = None,
-                     recipe: str | None = None) -> Callable[[type[Drafter]], type[Drafter]]:
+                     recipe: str | None = None, composite: bool = False) -> Callable[[type[Drafter]], type[Drafter]]:
     def decorate(cls: type[Drafter]) -> type[Drafter]:
         if name in _REGISTRY and _REGISTRY[name].drafter_cls is not cls:
             raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].drafter_cls.__name__}")
         options()  # fail at registration, not at first use, if an options field lacks a default
         cls.name = name
-        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe)
+        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite)
         return cls
 
     return decorate

@@ -26,11 +26,8 @@ from ..files import atomic_write_text
 from ..models import ModelFingerprint, Target, cache_root
 from ..options import from_dict, to_dict
 from ..tree_attention import DraftTree, trim_cache
-from .artifacts import SHIPPED_DIR
+from .artifacts import SHIPPED_DIR, SKIP_FILE
 from .base import DraftRequest, Drafter, Observation, register_drafter
-
-SKIP_FILE = "layerskip.json"
-
 
 @dataclass(frozen=True)
 class LayerSkipSettings:
