@@ -6,13 +6,13 @@ when sampling, whatever the drafter proposes.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .cost import PAUSE_RULE
 from .errors import SelfspecError
 from .heads.base import DraftRequest, Drafter, Observation
 from .models import Target
@@ -69,15 +69,16 @@ class DraftPacer:
     drafting steps themselves, the verification forward scaled down by the cost curve). A window that lost time
     pauses drafting for as many steps as keep that loss within PROBE_SHARE of the time the pause and the probe take
     together (at least MIN_PAUSE, at most MAX_PAUSE): a cheap drafter that missed a few times (prompt lookup) is
-    asked again soon, an expensive one (layer-skip) rarely. What is left of a pause carries over, halved, to the
-    drafter's next request (`Drafter.pacing`). Which trees are verified never changes what is emitted: pacing only
-    moves speed.
+    asked again soon, an expensive one (layer-skip) rarely, and a drafter that never pays costs at most about
+    PROBE_SHARE of the time. What is left of a pause carries over to the drafter's next request (`Drafter.pacing`),
+    so that bound holds across short requests too. Which trees are verified never changes what is emitted: pacing
+    only moves speed.
     """
 
-    PROBE_STEPS = 4
-    PROBE_SHARE = 0.05
+    PROBE_STEPS = PAUSE_RULE.window
+    PROBE_SHARE = PAUSE_RULE.share
     MIN_PAUSE = 4
-    MAX_PAUSE = 256
+    MAX_PAUSE = PAUSE_RULE.max_pause
     _PLAIN_DECAY = 0.7  # weight of the older plain-step timings in the running estimate
 
     def __init__(self, drafter: Drafter, enabled: bool = True):
@@ -85,7 +86,7 @@ class DraftPacer:
         self.enabled = enabled
         self.plain_s: float | None = None  # one plain step, measured
         self.paused_steps = 0
-        self._pause_left = drafter.pacing // 2 if enabled and drafter.pacing else 0
+        self._pause_left = drafter.pacing if enabled and drafter.pacing else 0
         self._window_s = self._window_tokens = 0.0
         self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
         self._window_steps = 0
@@ -118,8 +119,7 @@ class DraftPacer:
         plain_s = self.plain_s if self.plain_s is not None else self._window_plain_s / self._window_steps
         lost_s = self._window_s - self._window_tokens * plain_s  # versus plain decoding of the same tokens
         if lost_s > 0:
-            pause = math.ceil(lost_s / (self.PROBE_SHARE * plain_s))
-            self._pause_left = min(self.MAX_PAUSE, max(self.MIN_PAUSE, pause))
+            self._pause_left = PAUSE_RULE.pause(lost_s / plain_s, self.MIN_PAUSE)
         self._window_s = self._window_tokens = self._window_plain_s = 0.0
         self._window_steps = 0
 
@@ -166,7 +166,7 @@ def speculative_generate(
     accepted_lengths: list[int] = []
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
-    pacer = DraftPacer(drafter, enabled=pace)
+    pacer = DraftPacer(drafter, enabled=pace and not drafter.paces_itself)
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.

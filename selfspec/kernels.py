@@ -38,20 +38,31 @@ _PACK_ROWS = 16  # the batch size oneDNN packs for: the tree sizes that matter o
 AUTO_MIN_WEIGHTS = 1 << 20
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight packed once by oneDNN for small-row products (see `packed_linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+def packed_linear(hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """hidden [..., in] x a packed weight (+ bias) -> [..., out]."""
+    rows = hidden.reshape(-1, hidden.shape[-1])  # [..., in] -> [rows, in]
+    output = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return output.view(*hidden.shape[:-1], out_features)
+
+
 class PackedLinear(torch.nn.Module):
-    """A frozen nn.Linear whose weight oneDNN has packed once. Inference only: the packed copy is not trainable."""
+    """A frozen nn.Linear whose weight oneDNN has packed once. Inference only: the packed copy is not trainable. The
+    stock parameters stay registered (shared), so code that reads `.weight` and the state dict are unchanged."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # the stock parameter, shared: code that reads `.weight` still finds it
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_ROWS)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = pack_weight(linear.weight)
+        self._bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, self.in_features)  # [..., in] -> [rows, in]
-        output = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return output.view(*hidden.shape[:-1], self.out_features)
+        return packed_linear(hidden, self.packed, self._bias, self.out_features)
 
 
 GROUPED_SDPA = "selfspec_grouped_sdpa"  # the attention implementation the fast path switches `sdpa` models to
@@ -206,6 +217,18 @@ class ExecutionPath:
             config._attn_implementation = attention
             for parent, attribute, stock, _ in self._swaps:
                 setattr(parent, attribute, stock)
+
+    def pack(self, module: torch.nn.Module) -> bool:
+        """For a drafter's own frozen, inference-only modules (its heads): on `fast`, every nn.Linear inside is
+        swapped for good for a packed one, as the target's are inside `active()`. Returns whether it packed."""
+        if self.name != "fast":
+            return False
+        with torch.no_grad():
+            for parent in list(module.modules()):
+                for attribute, child in list(parent.named_children()):
+                    if type(child) is torch.nn.Linear:
+                        setattr(parent, attribute, PackedLinear(child))
+        return True
 
     def new_cache(self) -> DynamicCache:
         """A KV cache for this path: on `fast`, full-attention layers are written in place (InPlaceLayer)."""

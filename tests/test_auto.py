@@ -3,14 +3,17 @@ each source's own view of a step whose accepted path came from another source.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from selfspec.cost import CostCurve
+from selfspec.cost import PAUSE_RULE, CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter, register_drafter, unregister_drafter
-from selfspec.heads.auto import SourcePacing, SourceRates, merge_trees, select_nodes
+from selfspec.heads import artifacts
+from selfspec.heads.auto import MIN_HELDOUT_TAU, SourcePacing, SourceRates, merge_trees, select_nodes
 from selfspec.tree_attention import DraftTree
 
 from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_eagle_dir, without_eos
@@ -74,21 +77,39 @@ def test_acceptance_estimates_follow_the_accept_history():
     assert estimate.rate(1, 5) == estimate.rate(1, 2)  # ranks past the second share one estimate
 
 
-def test_a_source_that_does_not_pay_is_asked_less_often():
+def test_a_request_starts_from_the_sources_record_over_earlier_requests():
+    lifetime = SourceRates(prior_weight=2.0)
+    first = SourceRates(prior_weight=2.0, prior=lifetime)
+    assert first.rate(1, 0) == pytest.approx(0.5)  # no record yet: the fixed prior
+    for _ in range(20):
+        first.record(1, 0, False)
+    assert lifetime.rate(1, 0) == pytest.approx(1.0 / 22)  # every request's record reaches the lifetime one
+    second = SourceRates(prior_weight=2.0, prior=lifetime)  # the next request: nothing of its own yet
+    assert second.rate(1, 0) == pytest.approx(lifetime.rate(1, 0)) and second.rate(1, 1) == pytest.approx(0.15)
+    second.record(1, 0, True)
+    assert second.rate(1, 0) == pytest.approx((1 + 2 * lifetime.rate(1, 0)) / 3)
+
+
+def test_a_source_that_does_not_pay_is_skipped_in_proportion_to_what_it_lost():
+    assert PAUSE_RULE.window == 4 and PAUSE_RULE.share == 0.02  # the step counts below follow from them
     pacing = SourcePacing()
     asked = []
-    for _ in range(4 + 4 + 4 + 8 + 4):
+    for _ in range(4 + 60 + 4):
         ask = pacing.ask()
         asked.append(ask)
         if ask:
-            pacing.record(tokens=0, cost=0.3)
-    assert asked == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 8 + [True] * 4
-    for _ in range(16):  # the last window failed too: 16 skipped steps, then a window that pays
-        assert not pacing.ask()
+            pacing.record(tokens=0, cost=0.3)  # 4 x 0.3 = 1.2 plain steps lost: 1.2 / 0.02 = 60 steps skipped
+    assert asked == [True] * 4 + [False] * 60 + [True] * 4 and pacing.skip_left == 60
+    pacing.new_request()
+    assert pacing.skip_left == 60  # the skip carries over to the next request
+    free = SourcePacing()  # next to no cost (prompt lookup that found nothing): a one-step skip at most
     for _ in range(4):
-        assert pacing.ask()
-        pacing.record(tokens=2, cost=0.3)
-    assert pacing.next_skip == 16  # a window that pays halves the back-off (32 -> 16)
+        free.record(tokens=0, cost=0.002)
+    assert free.skip_left == 1
+    paying = SourcePacing()  # tokens earned above the cost: never skipped
+    for _ in range(12):
+        assert paying.ask()
+        paying.record(tokens=0.5, cost=0.3)
 
 
 class _Oracle(OracleDrafter):
@@ -156,3 +177,19 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     with pytest.raises(SelfspecError, match="holds no drafter's heads"):
         create_drafter("auto", target, tmp_path)
     assert list(create_drafter("auto", target).sources) == ["ngram"]  # no heads for this model: lookup alone
+
+
+@pytest.mark.parametrize("heldout, joins", [(1.1, False), (1.5, True), (None, True)])
+def test_default_sources_leave_out_heads_that_drafted_little_on_held_out_prompts(tmp_path, monkeypatch, heldout, joins):
+    target = make_tiny_target("llama")
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    heads = random_eagle_dir(target, tmp_path / "eagle-tiny")
+    if heldout is not None:
+        (heads / artifacts.REPORT).write_text(json.dumps({"heldout": {"mean_accepted_length": heldout}}))
+    auto = create_drafter("auto", target)
+    assert ("eagle" in auto.sources) == joins
+    if not joins:
+        assert auto.left_out["eagle"] == f"held-out mean accepted length 1.10 < {MIN_HELDOUT_TAU}"
+        assert "eagle left out (held-out mean accepted length 1.10" in auto.contributions()
+    named = create_drafter("auto:sources=ngram+eagle", target)  # sources named outright join whatever the report
+    assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].heldout_tau == heldout

@@ -17,7 +17,10 @@ from selfspec.kernels import GROUPED_SDPA, ExecutionPath, InPlaceLayer, PackedLi
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
 
-from .helpers import CORE_FAMILIES, FAMILIES, PROMPT, hf_greedy, make_tiny_target, random_eagle_dir, without_eos
+from .helpers import (
+    CORE_FAMILIES, FAMILIES, PROMPT, hf_greedy, make_tiny_target, random_dflash_dir, random_eagle_dir, random_medusa_dir,
+    without_eos,
+)
 
 
 def linear_types(model) -> set[type]:
@@ -167,3 +170,30 @@ def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err == ""  # stored: not measured again
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "0")
     assert create_drafter("ngram", Target(target.model, None, "other-model")).cost_curve.source.startswith("builtin")
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "medusa", "dflash"])
+def test_drafter_heads_are_packed_on_the_fast_path_and_compute_the_same(drafter, tmp_path):
+    """On the fast path a drafter's frozen head runs its linear layers and its draft LM head packed, as the target's;
+    the outputs equal the stock head's, and the head's state (what a heads directory holds) is unchanged."""
+    make_dir = {"eagle": random_eagle_dir, "medusa": random_medusa_dir, "dflash": random_dflash_dir}[drafter]
+    fast_target = make_tiny_target("llama", kernels="fast")
+    directory = make_dir(fast_target, tmp_path / drafter)
+    stock_target = Target(model=fast_target.model, tokenizer=None, name=fast_target.name, kernels="stock")
+    heads = {}
+    for name, target in (("fast", fast_target), ("stock", stock_target)):
+        instance = create_drafter(drafter, target, directory)
+        heads[name] = getattr(instance, "head", None) or instance.heads
+    assert linear_types(heads["fast"]) == {PackedLinear} and heads["fast"].packed_lm is not None
+    assert linear_types(heads["stock"]) == {torch.nn.Linear} and heads["stock"].packed_lm is None
+    assert heads["fast"].state_dict().keys() == heads["stock"].state_dict().keys()
+    hidden = torch.randn(5, fast_target.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(heads["fast"].draft_logits(hidden), heads["stock"].draft_logits(hidden), atol=1e-4, rtol=1e-4)
+        packed = 0
+        for fast_module, stock_module in zip(heads["fast"].modules(), heads["stock"].modules()):
+            if isinstance(fast_module, PackedLinear):
+                rows = torch.randn(3, fast_module.in_features)
+                torch.testing.assert_close(fast_module(rows), stock_module(rows), atol=1e-4, rtol=1e-4)
+                packed += 1
+        assert packed >= 1

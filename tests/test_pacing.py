@@ -35,19 +35,21 @@ def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -
 
 
 def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost():
+    assert DraftPacer.PROBE_SHARE == 0.02  # the step counts below follow from it
     pacer = DraftPacer(_Timed())
     # 0.15 s a step for 1.2 tokens: 0.125 s a token; a plain step would cost ~0.13 s here (0.15 - 0.02 - 0.1 + 0.1).
     assert all(drafting_steps(pacer, 8, step_s=0.15, emitted=1.2))
     # 0.15 s a step for 1 token. Before any plain step is measured the window is judged against the estimate
-    # (0.13 s): it lost 0.08 s, a 13-step pause. Against plain steps then measured at 0.1 s a window loses
-    # 4 x 0.05 s = 2 plain steps, so it pauses 2 / 0.05 = 40 steps, which keeps probing at 5% of the time.
-    asked = drafting_steps(pacer, 4 + 13 + 4 + 40 + 1, step_s=0.15, emitted=1)
-    assert asked == [True] * 4 + [False] * 13 + [True] * 4 + [False] * 40 + [True]
-    assert pacer.paused_steps == 53 and pacer.plain_s == pytest.approx(0.1)
-    # A cheap drafter that just missed (0.105 s for 1 token) pauses only MIN_PAUSE steps; a costly one at most 256.
+    # (0.13 s): it lost 0.08 s, a ceil(0.08 / (0.02 x 0.13)) = 31-step pause. Against plain steps then measured at
+    # 0.1 s a window loses 4 x 0.05 s = 2 plain steps, so it pauses 2 / 0.02 = 100 steps: probing costs 2% of the time.
+    asked = drafting_steps(pacer, 4 + 31 + 4 + 100 + 1, step_s=0.15, emitted=1)
+    assert asked == [True] * 4 + [False] * 31 + [True] * 4 + [False] * 100 + [True]
+    assert pacer.paused_steps == 131 and pacer.plain_s == pytest.approx(0.1)
+    # A cheap drafter that just missed (0.101 s for 1 token) pauses only MIN_PAUSE steps; a costly one at most
+    # MAX_PAUSE.
     cheap = DraftPacer(_Timed())
     cheap.plain_s = 0.1
-    assert drafting_steps(cheap, 4 + 5, step_s=0.105, emitted=1) == [True] * 4 + [False] * 4 + [True]
+    assert drafting_steps(cheap, 4 + 5, step_s=0.101, emitted=1) == [True] * 4 + [False] * 4 + [True]
     costly = DraftPacer(_Timed())
     costly.plain_s = 0.1
     drafting_steps(costly, 4, step_s=1.0, emitted=1)
@@ -60,13 +62,13 @@ def test_the_schedule_carries_over_to_the_drafters_next_request():
     drafter = _Timed()
     pacer = DraftPacer(drafter)
     pacer.plain_s = 0.1
-    drafting_steps(pacer, 4 + 14, step_s=0.15, emitted=1)  # a 40-step pause, 26 of it left
+    drafting_steps(pacer, 4 + 60, step_s=0.15, emitted=1)  # a 100-step pause, 40 of it left
     pacer.remember(drafter)
-    assert drafter.pacing == 26
-    following = DraftPacer(drafter)  # the next request: half the pause left
-    assert drafting_steps(following, 13 + 1, step_s=0.15, emitted=1) == [False] * 13 + [True]
+    assert drafter.pacing == 40
+    following = DraftPacer(drafter)  # the next request goes on with what was left
+    assert drafting_steps(following, 40 + 1, step_s=0.15, emitted=1) == [False] * 40 + [True]
     DraftPacer(drafter, enabled=False).remember(drafter)  # an unpaced request leaves the schedule alone
-    assert drafter.pacing == 26
+    assert drafter.pacing == 40
 
 
 def test_a_disabled_pacer_never_pauses():
@@ -91,3 +93,15 @@ def test_paused_drafting_emits_what_plain_decoding_does():
     assert stats.paused_steps >= 8 and stats.tree_sizes.count(1) >= stats.paused_steps
     _, unpaced = speculative_generate(target, SlowRandomDrafter(target), torch.tensor(PROMPT), 48, pace=False)
     assert unpaced.paused_steps == 0 and unpaced.tree_sizes.count(1) <= 1  # the last step: no budget left to draft
+
+
+class SelfPacedSlowDrafter(SlowRandomDrafter):
+    paces_itself = True
+
+
+def test_the_loop_leaves_a_self_paced_drafter_alone():
+    target = without_eos(make_tiny_target("llama"))
+    drafter = SelfPacedSlowDrafter(target)
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 24)
+    assert list(tokens) == hf_greedy(target, PROMPT, 24, eos=-1)
+    assert stats.paused_steps == 0 and drafter.pacing is None

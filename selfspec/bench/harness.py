@@ -16,7 +16,7 @@ from ..heads import parse_drafter_options
 from ..models import Target
 from ..options import split_drafter_specs
 from .prompts import PromptItem, load_prompt_file, load_prompt_set
-from .report import aggregate, markdown_table, write_outputs
+from .report import aggregate, markdown_table, source_table, write_outputs
 from .runner import HF_PEERS, BenchSettings, build_methods, run_benchmark
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 16
@@ -90,7 +90,8 @@ def run_bench(target: Target, request: BenchRequest, settings: BenchSettings) ->
         **asdict(settings),
     }
     written = write_outputs(request.out_dir, meta, rows, category_rows, records)
-    table = markdown_table(rows)
+    sources = source_table(rows)
+    table = markdown_table(rows) + (f"\n\naccepted draft tokens by source:\n\n{sources}" if sources else "")
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return table
 

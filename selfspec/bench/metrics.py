@@ -30,6 +30,7 @@ class RunRecord:
     tree_sizes: tuple[int, ...]  # per step, root included; empty for peers
     token_ids: tuple[int, ...]
     peak_mem_mb: float
+    accepted_by_source: tuple[tuple[str, int], ...] = ()  # a composite drafter's accepted draft tokens per source
 
 
 def tau(records: Iterable[RunRecord]) -> float:
@@ -77,3 +78,18 @@ def cost_ceiling(records: Iterable[RunRecord], cost: Callable[[int], float]) -> 
 def mean_tree_size(records: Iterable[RunRecord]) -> float | None:
     sizes = [size for r in records for size in r.tree_sizes]
     return sum(sizes) / len(sizes) if sizes else None
+
+
+def accepted_by_source(records: Iterable[RunRecord]) -> dict[str, int] | None:
+    """A composite drafter's accepted draft tokens per source, summed (None for drafters without sources). A token two
+    sources proposed counts for both."""
+    totals: dict[str, int] = {}
+    for record in records:
+        for name, count in record.accepted_by_source:
+            totals[name] = totals.get(name, 0) + count
+    return totals or None
+
+
+def accepted_draft_tokens(records: Iterable[RunRecord]) -> int:
+    """Draft tokens the verifier accepted (each step's own token left out)."""
+    return sum(length - 1 for r in records for length in r.accepted_lengths)

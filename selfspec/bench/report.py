@@ -31,6 +31,8 @@ class Row:
     mean_tree_size: float | None
     greedy_match_rate: float | None  # share of prompts whose output equals HF generate's; None when sampling
     peak_mem_mb: float
+    accepted_draft_tokens: int = 0  # draft tokens the verifier accepted, over all steps
+    accepted_by_source: dict[str, int] | None = None  # composite drafters (auto): the same per source
 
 
 def aggregate(records: list[RunRecord], temperature: float, cost: Callable[[int], float], by_category: bool = False) -> list[Row]:
@@ -62,6 +64,8 @@ def aggregate(records: list[RunRecord], temperature: float, cost: Callable[[int]
                     mean_tree_size=_round(metrics.mean_tree_size(mine)),
                     greedy_match_rate=_round(metrics.greedy_match_rate(mine, reference)) if temperature == 0 else None,
                     peak_mem_mb=round(max(r.peak_mem_mb for r in mine), 1),
+                    accepted_draft_tokens=metrics.accepted_draft_tokens(mine),
+                    accepted_by_source=metrics.accepted_by_source(mine),
                 )
             )
     return rows
@@ -99,6 +103,22 @@ def markdown_table(rows: list[Row], with_category: bool = False) -> str:
     return "\n".join(lines)
 
 
+def source_table(rows: list[Row]) -> str | None:
+    """Accepted draft tokens per source of each composite drafter, per dataset (None when no row has sources). A
+    token two sources proposed counts for each, so the shares can add up to more than 100%."""
+    composite = [row for row in rows if row.accepted_by_source]
+    if not composite:
+        return None
+    names = list(dict.fromkeys(name for row in composite for name in row.accepted_by_source))
+    lines = ["| drafter | dataset | accepted draft tokens | " + " | ".join(names) + " |", "|" + "---|" * (3 + len(names))]
+    for row in composite:
+        total = row.accepted_draft_tokens
+        cells = [f"{row.accepted_by_source.get(name, 0)} ({row.accepted_by_source.get(name, 0) / max(1, total):.0%})"
+                 if name in row.accepted_by_source else "-" for name in names]
+        lines.append(f"| {row.drafter} | {row.dataset} | {total} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_outputs(out_dir: Path, meta: dict, rows: list[Row], category_rows: list[Row], records: list[RunRecord]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     as_dicts = lambda items: [item.__dict__ for item in items]  # noqa: E731
@@ -108,10 +128,12 @@ def write_outputs(out_dir: Path, meta: dict, rows: list[Row], category_rows: lis
     ]
     written = [out_dir / "results.json", out_dir / "results.md"]
     atomic_write_text(written[0], json.dumps(results, indent=1))
+    sources = source_table(rows)
     markdown = (
         f"# selfspec bench\n\n`{meta['command']}`\n\nModel {meta['model']} on {meta['device']}, "
         f"{meta['max_new_tokens']} new tokens, temperature {meta['temperature']}.\n\n"
         + markdown_table(rows)
+        + (f"\n\n## Accepted draft tokens by source\n\n{sources}" if sources else "")
         + "\n\n## Per category\n\n"
         + markdown_table(category_rows, with_category=True)
         + "\n"

@@ -43,6 +43,7 @@ class MethodOutput:
     target_forwards: int
     accepted_lengths: tuple[int, ...] = ()
     tree_sizes: tuple[int, ...] = ()
+    accepted_by_source: tuple[tuple[str, int], ...] = ()  # composite drafters (auto): accepted draft tokens per source
 
 
 Method = Callable[[torch.Tensor, int, int], MethodOutput]  # (input_ids [1, L], max_new_tokens, seed) -> output
@@ -99,8 +100,10 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
     sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
+        before = dict(getattr(drafter, "accepted_by_source", {}))
         tokens, stats = speculative_generate(target, drafter, input_ids, max_new_tokens, sampling, seed=seed, pace=settings.pace)
-        return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes)
+        by_source = tuple((name, count - before.get(name, 0)) for name, count in getattr(drafter, "accepted_by_source", {}).items())
+        return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes, by_source)
 
     return run
 
@@ -199,6 +202,7 @@ def run_benchmark(
                     tree_sizes=output.tree_sizes,
                     token_ids=output.token_ids,
                     peak_mem_mb=peak,
+                    accepted_by_source=output.accepted_by_source,
                 )
             )
             bar.update()

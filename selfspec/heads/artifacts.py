@@ -23,6 +23,7 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SKIP_FILE = "layerskip.json"  # tuned layer-skip data: a file of its own, or one inside a directory
 ADAPTER = "adapter"
+REPORT = "training_report.json"  # what training measured, held-out acceptance included (written by `selfspec train`)
 SHIPPED_DIR = Path(__file__).parent / "trained"  # heads shipped in the repository, for the default model
 
 
@@ -119,6 +120,16 @@ def load_vocab_head(target: Target, heads_dir: Path | None, drafter: str, config
     head = head_cls(artifact.config, target, draft_vocab)
     load_state_strict(head, artifact.state, heads_dir)
     return LoadedHead(head.to(target.dtype), heads_dir, artifact.extra)
+
+
+def heldout_tau(directory: Path) -> float | None:
+    """The mean accepted length a heads directory's training report measured on held-out prompts; None when the
+    directory has no report (heads trained elsewhere) or the report has no held-out evaluation."""
+    try:
+        report = json.loads((Path(directory) / REPORT).read_text())
+        return float(report["heldout"]["mean_accepted_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def find_shipped_head(target: Target, drafter: str, config_cls) -> Path:

@@ -9,8 +9,10 @@ deterministic candidates, so the verifier's rules keep the output exactly the ta
 
 After the step every source observes the committed tokens and hidden states as usual, with its own tree and the
 part of the accepted path that lay in its own tree, so its caches and statistics stay its own whichever source's
-path won. A source whose accepted tokens per step fall below its drafting time (in plain target steps) is skipped
-for a while, longer each time it still does not pay; skipped sources still observe every step.
+path won. A source whose earned tokens fall below its drafting time (in plain target steps) is skipped for a while,
+in proportion to the time it lost (the loop's own rule, cost.PAUSE_RULE, applied per source, so the loop does not
+pause `auto` as a whole: a free source such as prompt lookup keeps drafting while a costly head rests); skipped
+sources still observe every step.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..cost import CostCurve
+from ..cost import PAUSE_RULE, CostCurve
 from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree, VerifyResult
@@ -29,6 +31,9 @@ from .artifacts import heads_kind
 from .base import DraftRequest, Drafter, Observation, drafter_entry, drafter_names, register_drafter
 
 DEFAULT_SOURCES = ("ngram", "eagle", "dflash", "medusa")  # the artifact drafters join when they have heads here
+# A default source with trained parts joins only if its training report measured at least this mean accepted length on
+# held-out prompts (heads with no report join): a head that drafts little costs every step and crowds the tree.
+MIN_HELDOUT_TAU = 1.3
 _RANKS = 3  # sibling ranks told apart in the acceptance estimates: first child, second child, the rest
 
 
@@ -52,43 +57,45 @@ class AutoOptions:
 
 class SourceRates:
     """One source's running acceptance estimates: P(a node at depth d, sibling rank r, is accepted | its parent
-    was), from the nodes of its trees whose parent the verifier accepted. Reset per request."""
+    was), from the nodes of its trees whose parent the verifier accepted. A request's estimates start afresh, from a
+    prior worth `prior_weight` observations: the source's estimates over all its earlier requests when it has any
+    (`prior`), otherwise a fixed guess by sibling rank."""
 
     PRIOR = (0.5, 0.15, 0.05)  # by sibling rank
 
-    def __init__(self, prior_weight: float):
+    def __init__(self, prior_weight: float, prior: "SourceRates | None" = None):
         self.prior_weight = prior_weight
+        self.prior = prior
         self.hits: dict[tuple[int, int], float] = {}
         self.tries: dict[tuple[int, int], float] = {}
 
     def rate(self, depth: int, rank: int) -> float:
         key = (depth, min(rank, _RANKS - 1))
-        prior = self.PRIOR[key[1]]
+        prior = self.PRIOR[key[1]] if self.prior is None else self.prior.rate(depth, rank)
         return (self.hits.get(key, 0.0) + prior * self.prior_weight) / (self.tries.get(key, 0.0) + self.prior_weight)
 
     def record(self, depth: int, rank: int, accepted: bool) -> None:
         key = (depth, min(rank, _RANKS - 1))
         self.tries[key] = self.tries.get(key, 0.0) + 1.0
         self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
+        if self.prior is not None:
+            self.prior.record(depth, rank, accepted)
 
 
 class SourcePacing:
-    """Whether a source pays: accepted tokens its own tree held versus its drafting time in plain target steps,
-    over windows of WINDOW asked steps. A window that does not pay skips the source for a number of steps that
-    doubles while it keeps not paying and halves with each window that pays."""
-
-    WINDOW = 4
-    FIRST_SKIP = 4
-    MAX_SKIP = 128
+    """Whether a source pays, by the rule the decoding loop applies to a whole drafter (cost.PAUSE_RULE): over
+    windows of asked steps, the source's drafting time in plain target steps against the tokens it earned (an
+    accepted token its tree alone held counts 1; one that k sources proposed, 1/k each). A window that cost more
+    than it earned skips the source for as many steps as keep that loss within the rule's share of the time; a
+    source that costs next to nothing (prompt lookup) is skipped a step at most. What is left of a skip carries over
+    to the next request."""
 
     def __init__(self) -> None:
         self.skip_left = 0
-        self.next_skip = self.FIRST_SKIP
         self.tokens = self.cost = 0.0
         self.steps = 0
 
     def new_request(self) -> None:
-        self.skip_left //= 2
         self.tokens = self.cost = 0.0
         self.steps = 0
 
@@ -98,17 +105,13 @@ class SourcePacing:
             return False
         return True
 
-    def record(self, tokens: int, cost: float) -> None:
+    def record(self, tokens: float, cost: float) -> None:
         self.tokens += tokens
         self.cost += cost
         self.steps += 1
-        if self.steps < self.WINDOW:
+        if self.steps < PAUSE_RULE.window:
             return
-        if self.tokens < self.cost:
-            self.skip_left = self.next_skip
-            self.next_skip = min(2 * self.next_skip, self.MAX_SKIP)
-        else:  # halved, not reset: one lucky window does not undo a long record
-            self.next_skip = max(self.FIRST_SKIP, self.next_skip // 2)
+        self.skip_left = PAUSE_RULE.pause(self.cost - self.tokens)
         self.tokens = self.cost = 0.0
         self.steps = 0
 
@@ -157,6 +160,8 @@ def select_nodes(paths: list[tuple[int, ...]], scores: list[float], curve: CostC
 
 @register_drafter("auto", options=AutoOptions, composite=True)
 class AutoDrafter(Drafter):
+    paces_itself = True  # per source (SourcePacing)
+
     def __init__(self, target: Target, cost_curve: CostCurve, options: AutoOptions, sources: dict[str, Drafter]):
         super().__init__(target, cost_curve, options)
         if not sources:
@@ -164,16 +169,20 @@ class AutoDrafter(Drafter):
         self.sources = sources
         self.hidden_layers = tuple(sorted({layer for source in sources.values() for layer in source.hidden_layers}))
         self.accepted_by_source: dict[str, int] = {name: 0 for name in sources}  # over the drafter's life
+        self.left_out: dict[str, str] = {}  # default sources not loaded, and why (set by load)
         # Whether each source pays is a property of the source on this machine more than of one request: the
-        # schedule carries over (with half of any skip left), while the acceptance estimates start afresh.
+        # schedule carries over (with half of any skip left); the acceptance estimates start afresh each request,
+        # from the source's record over the earlier ones.
         self.source_pacing = {name: SourcePacing() for name in sources}
+        self.lifetime_rates = {name: SourceRates(options.prior_weight) for name in sources}
         self.reset()
 
     @classmethod
     def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: AutoOptions) -> "AutoDrafter":
         """Each source is loaded with its default options. `heads_dir` goes to the source of its kind (which joins
         the default sources); other artifact drafters read the heads shipped for the target. Without `sources`, the
-        artifact drafters that find no heads for the target are left out."""
+        artifact drafters that find no heads for the target, or whose heads' training report measured a held-out mean
+        accepted length below MIN_HELDOUT_TAU, are left out (`left_out` says why)."""
         names = list(options.sources or DEFAULT_SOURCES)
         kind = None if heads_dir is None else heads_kind(heads_dir)
         if heads_dir is not None:
@@ -185,16 +194,25 @@ class AutoDrafter(Drafter):
                                         f"{'+'.join(names)}: add it to sources")
                 names.append(kind)
         sources: dict[str, Drafter] = {}
+        left_out: dict[str, str] = {}
         for name in names:
             entry = drafter_entry(name)
             own_heads = heads_dir if name == kind else None
+            chosen = bool(options.sources) or own_heads is not None or not entry.has_artifacts
             try:
-                sources[name] = entry.drafter_cls.load(target, own_heads, cost_curve, entry.options_cls())
+                source = entry.drafter_cls.load(target, own_heads, cost_curve, entry.options_cls())
             except SelfspecError:
-                if options.sources or own_heads is not None or not entry.has_artifacts:
+                if chosen:
                     raise
-                # no heads shipped for this model: auto goes on without that source
-        return cls(target, cost_curve, options, sources)
+                left_out[name] = "no heads for this model"
+                continue
+            if not chosen and source.heldout_tau is not None and source.heldout_tau < MIN_HELDOUT_TAU:
+                left_out[name] = f"held-out mean accepted length {source.heldout_tau:.2f} < {MIN_HELDOUT_TAU}"
+                continue
+            sources[name] = source
+        drafter = cls(target, cost_curve, options, sources)
+        drafter.left_out = left_out
+        return drafter
 
     @property
     def cost_curve(self) -> CostCurve:
@@ -210,7 +228,7 @@ class AutoDrafter(Drafter):
     def reset(self) -> None:
         for source in self.sources.values():
             source.reset()
-        self.rates = {name: SourceRates(self.options.prior_weight) for name in self.sources}
+        self.rates = {name: SourceRates(self.options.prior_weight, self.lifetime_rates[name]) for name in self.sources}
         for pacing in self.source_pacing.values():
             pacing.new_request()
         self.proposals: dict[str, _Proposal] = {}
@@ -248,6 +266,11 @@ class AutoDrafter(Drafter):
         accepted = set(result.accepted_path)
         # One plain target step, in seconds: the verification forward scaled down by the cost curve.
         unit_s = observation.forward_s / self.cost_curve.cost(observation.tree.size) if observation.forward_s > 0 else 0.0
+        owners: dict[int, int] = {}  # accepted merged node -> how many sources proposed it
+        for proposal in self.proposals.values():
+            for node in set(proposal.merged):
+                if node > 0 and node in accepted:
+                    owners[node] = owners.get(node, 0) + 1
         for name, source in self.sources.items():
             proposal = self.proposals.get(name)
             if proposal is None:
@@ -258,7 +281,8 @@ class AutoDrafter(Drafter):
             self.accepted_by_source[name] += own_tokens
             self._learn(name, proposal, own.result.accepted_path)
             if unit_s > 0:
-                self.source_pacing[name].record(own_tokens, proposal.seconds / unit_s)
+                earned = sum(1.0 / owners[node] for node in set(proposal.merged) if node in owners)
+                self.source_pacing[name].record(earned, proposal.seconds / unit_s)
             source.observe(own)
         self.proposals = {}
 
@@ -297,5 +321,7 @@ class AutoDrafter(Drafter):
                     rates.record(tree.depth_list[child], rank, child in on_path)
 
     def contributions(self) -> str:
-        """Accepted draft tokens by source (a token two sources proposed counts for both)."""
-        return " ".join(f"{name}={count}" for name, count in self.accepted_by_source.items())
+        """Accepted draft tokens by source (a token two sources proposed counts for both), then the default sources
+        left out and why."""
+        counts = " ".join(f"{name}={count}" for name, count in self.accepted_by_source.items())
+        return counts + "".join(f"; {name} left out ({why})" for name, why in self.left_out.items())

@@ -109,6 +109,11 @@ class Drafter(ABC):
     # The decoding loop's pacing of this drafter, carried from one request to the next: steps of pause left (None
     # before its first request). See selfspec.decoding.DraftPacer.
     pacing: int | None = None
+    # True for a drafter that weighs its own drafting cost (`auto` paces each source): the loop does not pause it.
+    paces_itself: ClassVar[bool] = False
+    # The mean accepted length the drafter's trained parts reached on held-out prompts when they were trained (their
+    # training report); None where unknown or where nothing was trained.
+    heldout_tau: float | None = None
 
     def __init__(self, target: Target, cost_curve: CostCurve, options=None):
         self.target = target

@@ -20,7 +20,7 @@ from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree
-from .artifacts import ADAPTER, load_vocab_head
+from .artifacts import ADAPTER, heldout_tau, load_vocab_head
 from .base import AcceptanceCalibration, DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
 from .vocab import ReducedVocabHead
 
@@ -125,6 +125,7 @@ class MedusaDrafter(Drafter):
                  options: MedusaOptions = MedusaOptions()):
         super().__init__(target, cost_curve, options)
         self.heads = heads.to(target.device).eval().requires_grad_(False)
+        self.heads.pack_for(target.execution)
         paths = [tuple(path) for path in tree.get("paths", [])]
         values = [float(v) for v in tree.get("values", [])]
         if not paths or len(paths) != len(values):
@@ -146,7 +147,9 @@ class MedusaDrafter(Drafter):
         loaded = load_vocab_head(target, heads_dir, "medusa", MedusaConfig, MedusaHeads)
         if (loaded.directory / ADAPTER).is_dir():
             merge_adapter(target, loaded.directory / ADAPTER)
-        return cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
+        drafter = cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
+        drafter.heldout_tau = heldout_tau(loaded.directory)
+        return drafter
 
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root

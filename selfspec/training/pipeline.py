@@ -19,13 +19,13 @@ from ..decoding import speculative_generate
 from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..heads import create_drafter, drafter_entry, drafter_names
+from ..heads.artifacts import REPORT
 from ..models import load_target
 from ..options import to_dict
 from ..sampling import SamplingConfig
 from .config import RecipeConfig
 from .sharegpt import load_sharegpt
 
-REPORT = "training_report.json"
 
 
 def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dict:
