@@ -157,7 +157,8 @@ def speculative_generate(
     pace: bool = True,
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens.
-    `pace`: pause drafting while it does not pay (DraftPacer); False asks the drafter for a tree at every step."""
+    `pace`: pause drafting while it does not pay (DraftPacer, or the drafter's own pacing when it paces itself);
+    False asks the drafter for a tree at every step."""
     input_ids = validate_request(target, input_ids, max_new_tokens)
     model, device, eos = target.model, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -180,7 +181,7 @@ def speculative_generate(
             budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
             # 2. Propose, within what the loop can still emit this step (unless drafting is paused: see DraftPacer).
             if pacer.should_draft():
-                request = DraftRequest(committed[-1], budget - 1, sampling, generator)
+                request = DraftRequest(committed[-1], budget - 1, sampling, generator, pace)
                 tree = drafter.propose(request).pruned(budget - 1)
             else:
                 tree = DraftTree.root_only(committed[-1])

@@ -193,3 +193,17 @@ def test_default_sources_leave_out_heads_that_drafted_little_on_held_out_prompts
         assert "eagle left out (held-out mean accepted length 1.10" in auto.contributions()
     named = create_drafter("auto:sources=ngram+eagle", target)  # sources named outright join whatever the report
     assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].heldout_tau == heldout
+
+
+def test_unpaced_requests_ask_every_source_at_every_step():
+    target = without_eos(make_tiny_target("llama"))
+    auto = create_drafter("auto:sources=ngram", target)
+    auto.source_pacing["ngram"].skip_left = 1000  # as if lookup had been failing for a long while
+    asked = []
+    propose = auto.sources["ngram"].propose
+    auto.sources["ngram"].propose = lambda request: asked.append(request.pace) or propose(request)
+    speculative_generate(target, auto, torch.tensor(PROMPT), 12, pace=False)
+    assert len(asked) >= 6 and not any(asked) and auto.source_pacing["ngram"].skip_left == 1000
+    before = len(asked)
+    speculative_generate(target, auto, torch.tensor(PROMPT), 12)  # paced: the skip holds
+    assert len(asked) == before and auto.source_pacing["ngram"].skip_left < 1000

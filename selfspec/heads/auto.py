@@ -232,6 +232,7 @@ class AutoDrafter(Drafter):
         for pacing in self.source_pacing.values():
             pacing.new_request()
         self.proposals: dict[str, _Proposal] = {}
+        self.paced = True  # whether the last request let sources be skipped (DraftRequest.pace)
         self.tree_paths: list[tuple[int, ...]] = [()]  # the merged tree's node paths, root first
 
     def propose(self, request: DraftRequest) -> DraftTree:
@@ -240,8 +241,9 @@ class AutoDrafter(Drafter):
             self.tree_paths = [()]
             return DraftTree.root_only(request.root_token)
         trees, seconds = {}, {}
+        self.paced = request.pace
         for name, source in self.sources.items():
-            if self.source_pacing[name].ask():
+            if not request.pace or self.source_pacing[name].ask():
                 start = time.perf_counter()
                 trees[name] = source.propose(request)
                 seconds[name] = time.perf_counter() - start
@@ -280,7 +282,7 @@ class AutoDrafter(Drafter):
             own_tokens = len(own.result.accepted_tokens)
             self.accepted_by_source[name] += own_tokens
             self._learn(name, proposal, own.result.accepted_path)
-            if unit_s > 0:
+            if unit_s > 0 and self.paced:
                 earned = sum(1.0 / owners[node] for node in set(proposal.merged) if node in owners)
                 self.source_pacing[name].record(earned, proposal.seconds / unit_s)
             source.observe(own)
