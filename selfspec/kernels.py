@@ -50,6 +50,12 @@ def packed_linear(hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return output.view(*hidden.shape[:-1], out_features)
 
 
+def _plain_linears(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, layer) for every plain nn.Linear inside `module`."""
+    return [(parent, attribute, child) for parent in module.modules() for attribute, child in parent.named_children()
+            if type(child) is torch.nn.Linear]
+
+
 class PackedLinear(torch.nn.Module):
     """A frozen nn.Linear whose weight oneDNN has packed once. Inference only: the packed copy is not trainable. The
     stock parameters stay registered (shared), so code that reads `.weight` and the state dict are unchanged."""
@@ -183,13 +189,8 @@ class ExecutionPath:
 
     def _build_swaps(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
         """(parent, attribute, stock module, packed module) for every nn.Linear of the model, packed once."""
-        swaps = []
         with torch.no_grad():
-            for parent in self.model.modules():
-                for attribute, child in parent.named_children():
-                    if type(child) is torch.nn.Linear:
-                        swaps.append((parent, attribute, child, PackedLinear(child)))
-        return swaps
+            return [(parent, attribute, child, PackedLinear(child)) for parent, attribute, child in _plain_linears(self.model)]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -224,10 +225,8 @@ class ExecutionPath:
         if self.name != "fast":
             return False
         with torch.no_grad():
-            for parent in list(module.modules()):
-                for attribute, child in list(parent.named_children()):
-                    if type(child) is torch.nn.Linear:
-                        setattr(parent, attribute, PackedLinear(child))
+            for parent, attribute, child in _plain_linears(module):
+                setattr(parent, attribute, PackedLinear(child))
         return True
 
     def new_cache(self) -> DynamicCache:

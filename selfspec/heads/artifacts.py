@@ -108,6 +108,10 @@ class LoadedHead:
     directory: Path  # where it came from (given, or the shipped one found for the target)
     data: dict  # what is stored beside the weights (tree shape, accuracies, ...)
 
+    @property
+    def heldout_tau(self) -> float | None:
+        return heldout_tau(self.directory)
+
 
 def load_vocab_head(target: Target, heads_dir: Path | None, drafter: str, config_cls, head_cls) -> LoadedHead:
     """Find (or take) a heads directory, check it, and build `head_cls(config, target, draft_vocab)` with its weights

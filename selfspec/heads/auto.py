@@ -171,7 +171,7 @@ class AutoDrafter(Drafter):
         self.accepted_by_source: dict[str, int] = {name: 0 for name in sources}  # over the drafter's life
         self.left_out: dict[str, str] = {}  # default sources not loaded, and why (set by load)
         # Whether each source pays is a property of the source on this machine more than of one request: the
-        # schedule carries over (with half of any skip left); the acceptance estimates start afresh each request,
+        # schedule carries over (any skip left included); the acceptance estimates start afresh each request,
         # from the source's record over the earlier ones.
         self.source_pacing = {name: SourcePacing() for name in sources}
         self.lifetime_rates = {name: SourceRates(options.prior_weight) for name in sources}
@@ -268,11 +268,11 @@ class AutoDrafter(Drafter):
         accepted = set(result.accepted_path)
         # One plain target step, in seconds: the verification forward scaled down by the cost curve.
         unit_s = observation.forward_s / self.cost_curve.cost(observation.tree.size) if observation.forward_s > 0 else 0.0
+        won = {name: accepted.intersection(proposal.merged) - {0} for name, proposal in self.proposals.items()}
         owners: dict[int, int] = {}  # accepted merged node -> how many sources proposed it
-        for proposal in self.proposals.values():
-            for node in set(proposal.merged):
-                if node > 0 and node in accepted:
-                    owners[node] = owners.get(node, 0) + 1
+        for nodes in won.values():
+            for node in nodes:
+                owners[node] = owners.get(node, 0) + 1
         for name, source in self.sources.items():
             proposal = self.proposals.get(name)
             if proposal is None:
@@ -283,7 +283,7 @@ class AutoDrafter(Drafter):
             self.accepted_by_source[name] += own_tokens
             self._learn(name, proposal, own.result.accepted_path)
             if unit_s > 0 and self.paced:
-                earned = sum(1.0 / owners[node] for node in set(proposal.merged) if node in owners)
+                earned = sum(1.0 / owners[node] for node in won[name])
                 self.source_pacing[name].record(earned, proposal.seconds / unit_s)
             source.observe(own)
         self.proposals = {}

@@ -33,7 +33,7 @@ class DraftRequest:
     max_depth: int  # deepest node the loop can use (max_new_tokens and context budget); 0 means no draft
     sampling: SamplingConfig
     generator: torch.Generator | None  # draw any random draft tokens from this, so runs are reproducible
-    pace: bool = True  # False: the caller measures acceptance; a drafter that paces itself asks every source anyway
+    pace: bool = True  # False: skip nothing for cost (acceptance is measured, or a run must be reproducible)
 
 
 @dataclass(frozen=True)

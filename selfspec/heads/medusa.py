@@ -20,7 +20,7 @@ from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree
-from .artifacts import ADAPTER, heldout_tau, load_vocab_head
+from .artifacts import ADAPTER, load_vocab_head
 from .base import AcceptanceCalibration, DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
 from .vocab import ReducedVocabHead
 
@@ -148,7 +148,7 @@ class MedusaDrafter(Drafter):
         if (loaded.directory / ADAPTER).is_dir():
             merge_adapter(target, loaded.directory / ADAPTER)
         drafter = cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
-        drafter.heldout_tau = heldout_tau(loaded.directory)
+        drafter.heldout_tau = loaded.heldout_tau
         return drafter
 
     def reset(self) -> None:

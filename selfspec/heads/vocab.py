@@ -17,7 +17,7 @@ from ..cost import CostCurve
 from ..kernels import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
 from ..tree_attention import DraftTree
-from .artifacts import heldout_tau, load_vocab_head
+from .artifacts import load_vocab_head
 from .base import AcceptanceCalibration, Drafter, Observation, drafter_entry
 
 
@@ -77,7 +77,7 @@ class VocabHeadDrafter(Drafter):
         config_cls = drafter_entry(cls.name).config_cls
         loaded = load_vocab_head(target, heads_dir, cls.name, config_cls, cls.head_cls)
         drafter = cls(target, cost_curve, loaded.head, options)
-        drafter.heldout_tau = heldout_tau(loaded.directory)
+        drafter.heldout_tau = loaded.heldout_tau
         return drafter
 
     def tree_size(self, sorted_scores: list[float]) -> int:
