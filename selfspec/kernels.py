@@ -4,8 +4,9 @@ On a CPU in float32, `fast` changes three things, each through a public hook of 
 - every `nn.Linear` of the target runs with its weight pre-packed once for oneDNN's small-row GEMMs. Stock PyTorch
   takes a gemv for one row and, for 2+ rows, a GEMM that repacks the weight on every call, so a forward over a
   2-16-node tree costs 1.5-2.2x a one-token step although it reads the same weights; with the weights packed once,
-  the GEMM for 16 rows reads them as one row does. The packed module is built from the stock module's own weight and
-  the stock module is put back after use.
+  the GEMM for 16 rows reads them as one row does. Projections that read the same input (a layer's q, k and v) run
+  as one GEMM over their concatenated weights. The packed modules are built from the stock modules' own weights and
+  the stock modules are put back after use.
 - attention under a tree mask runs SDPA on the grouped key/value heads (`enable_gqa`, registered with transformers'
   `AttentionInterface`): stock transformers copies every layer's cached keys and values once per query-head group
   whenever a mask is given, i.e. at every tree step.
@@ -69,6 +70,63 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return packed_linear(hidden, self.packed, self._bias, self.out_features)
+
+
+# Linear layers of one module that read the same input: on the fast path each group runs as one GEMM over the
+# concatenated weights (one pass over the input, one call instead of three).
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"),)
+
+
+class SharedInputProduct:
+    """The product of an input with the concatenated weights of sibling linear layers (a layer's q/k/v projections).
+    Whichever member is called first with an input computes every member's output; the others take theirs if they
+    are called with that same tensor, and recompute otherwise, so any call order or a lone call stays correct."""
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        with torch.no_grad():
+            self.packed = pack_weight(torch.cat([layer.weight for layer in layers]))
+            biases = [layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]
+            self.bias = None if all(layer.bias is None for layer in layers) else torch.cat(biases).detach()
+        ends = torch.tensor([layer.out_features for layer in layers]).cumsum(0).tolist()
+        self.bounds = list(zip([0] + ends[:-1], ends))
+        self.out_features = ends[-1]
+        self.input: torch.Tensor | None = None
+        self.outputs: list[torch.Tensor | None] = []
+
+    def output(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self.input is not hidden or self.outputs[index] is None:
+            full = packed_linear(hidden, self.packed, self.bias, self.out_features)
+            self.input, self.outputs = hidden, [full[..., start:end] for start, end in self.bounds]
+        output, self.outputs[index] = self.outputs[index], None
+        if all(pending is None for pending in self.outputs):
+            self.input = None  # nothing held between calls
+        return output.contiguous()
+
+
+class SharedInputLinear(torch.nn.Module):
+    """One member of a `SharedInputProduct`, standing in for a frozen nn.Linear (whose parameters stay registered)."""
+
+    def __init__(self, linear: torch.nn.Linear, product: SharedInputProduct, index: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.product, self.index = product, index
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.product.output(self.index, hidden)
+
+
+def _shared_input_swaps(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
+    swaps = []
+    for parent in module.modules():
+        for names in SHARED_INPUT_GROUPS:
+            layers = [getattr(parent, name, None) for name in names]
+            if all(type(layer) is torch.nn.Linear for layer in layers) and len({(layer.in_features, layer.weight.dtype)
+                                                                                 for layer in layers}) == 1:
+                product = SharedInputProduct(layers)
+                swaps += [(parent, name, layer, SharedInputLinear(layer, product, index))
+                          for index, (name, layer) in enumerate(zip(names, layers))]
+    return swaps
 
 
 GROUPED_SDPA = "selfspec_grouped_sdpa"  # the attention implementation the fast path switches `sdpa` models to
@@ -188,9 +246,13 @@ class ExecutionPath:
         self._depth = 0  # nested activations: only the outermost swaps modules in and out
 
     def _build_swaps(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
-        """(parent, attribute, stock module, packed module) for every nn.Linear of the model, packed once."""
+        """(parent, attribute, stock module, fast module) for every nn.Linear of the model, packed once: sibling
+        projections that read one input (SHARED_INPUT_GROUPS) as one GEMM, the others each on its own."""
         with torch.no_grad():
-            return [(parent, attribute, child, PackedLinear(child)) for parent, attribute, child in _plain_linears(self.model)]
+            swaps = _shared_input_swaps(self.model)
+            shared = {id(stock) for _, _, stock, _ in swaps}
+            return swaps + [(parent, attribute, child, PackedLinear(child))
+                            for parent, attribute, child in _plain_linears(self.model) if id(child) not in shared]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -13,7 +13,7 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.kernels import GROUPED_SDPA, ExecutionPath, InPlaceLayer, PackedLinear
+from selfspec.kernels import GROUPED_SDPA, ExecutionPath, InPlaceLayer, PackedLinear, SharedInputLinear, SharedInputProduct
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
 
@@ -24,7 +24,11 @@ from .helpers import (
 
 
 def linear_types(model) -> set[type]:
-    return {type(module) for module in model.modules() if isinstance(module, (torch.nn.Linear, PackedLinear))}
+    return {type(module) for module in model.modules()
+            if isinstance(module, (torch.nn.Linear, PackedLinear, SharedInputLinear))}
+
+
+FAST_LINEARS = {PackedLinear, SharedInputLinear}  # the target's q/k/v projections run as one GEMM
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -35,13 +39,34 @@ def test_packed_layers_equal_the_stock_ones(family):
     with torch.inference_mode():
         stock = target.model(tokens, output_hidden_states=True)
         with target.execution.active():
-            assert linear_types(target.model) == {PackedLinear}
+            assert linear_types(target.model) == FAST_LINEARS
             assert target.vocab_size == stock.logits.shape[-1]  # `.weight` is still there to read
             fast = target.model(tokens, output_hidden_states=True)
     assert linear_types(target.model) == {torch.nn.Linear}
     torch.testing.assert_close(fast.logits, stock.logits, atol=1e-4, rtol=1e-4)
     for fast_hidden, stock_hidden in zip(fast.hidden_states, stock.hidden_states):
         torch.testing.assert_close(fast_hidden, stock_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_projections_sharing_an_input_run_as_one_product_in_any_call_order():
+    """q/k/v as one GEMM: each member returns what its own linear layer computes, whichever member is called first,
+    and one called alone or with another input recomputes rather than handing out a stale output."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(24, 24), torch.nn.Linear(24, 8, bias=False), torch.nn.Linear(24, 8)]
+    product = SharedInputProduct(layers)
+    members = [SharedInputLinear(layer, product, index) for index, layer in enumerate(layers)]
+    first, second = torch.randn(1, 5, 24), torch.randn(1, 5, 24)
+    with torch.inference_mode():
+        for order in ((0, 1, 2), (2, 0, 1), (1, 1, 0, 2)):
+            for index in order:
+                torch.testing.assert_close(members[index](first), layers[index](first), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(members[0](first), layers[0](first), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(members[1](second), layers[1](second), atol=1e-5, rtol=1e-5)  # another input
+        torch.testing.assert_close(members[2](first), layers[2](first), atol=1e-5, rtol=1e-5)
+        for member in members:
+            member(second)
+        assert product.input is None  # every output handed out: nothing held
+        assert members[0](first).is_contiguous() and members[0](first).shape == (1, 5, 24)
 
 
 TREE = DraftTree(tokens=torch.tensor([17, 5, 9, 33, 40, 8, 5]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
@@ -110,7 +135,7 @@ def test_stock_modules_come_back_after_errors_and_nesting():
     with path.active():
         with path.active():
             pass
-        assert linear_types(target.model) == {PackedLinear}  # the inner block does not end the outer one
+        assert linear_types(target.model) == FAST_LINEARS  # the inner block does not end the outer one
     assert linear_types(target.model) == {torch.nn.Linear}
     stock = ExecutionPath(target.model, "stock")
     with stock.active():
