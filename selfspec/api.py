@@ -63,12 +63,14 @@ class SelfSpec:
         top_p: float = 1.0,
         seed: int = 0,
         stream: Callable[[str], None] | None = None,
+        on_step: Callable[[tuple[int, ...]], None] | None = None,
         chat: bool = True,
         pace: bool = True,
     ) -> GenerationResult:
         """Generate from a prompt (through the chat template unless chat=False) or from token ids.
 
-        `stream`, if given, receives text pieces as tokens are committed. `pace`: pause drafting while it does not
+        `stream`, if given, receives text pieces as tokens are committed; `on_step` each step's committed token ids
+        (the drafted tokens the target accepted, then its own token), e.g. to show the bursts. `pace`: pause drafting while it does not
         pay (the default); False asks the drafter for a tree at every step.
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -76,7 +78,8 @@ class SelfSpec:
             raise SelfspecError("pass exactly one of prompt or input_ids")
         if prompt is not None:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
-        on_tokens = TextStream(self.target, stream) if stream is not None else None
+        sinks = ([TextStream(self.target, stream)] if stream is not None else []) + ([on_step] if on_step is not None else [])
+        on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
         tokens, stats = speculative_generate(
             self.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
         )

@@ -1,4 +1,4 @@
-"""`selfspec generate | bench | profile | train | tune | medusa-tree | drafters`.
+"""`selfspec generate | chat | bench | profile | train | tune | medusa-tree | drafters`.
 
 Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
 """
@@ -50,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     generate.add_argument("--seed", type=int, default=0)
     _add_pace_arg(generate)
+
+    chat = commands.add_parser("chat", help="talk with the model in the terminal; accepted draft bursts shown in colour")
+    _add_model_args(chat)
+    chat.add_argument("--drafter", default="auto", help="drafter spec, as for generate (default: auto)")
+    chat.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
+    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply, in tokens")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-k", type=int, default=0, help="0 = off")
+    chat.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--no-color", action="store_true", help="plain text (colour is off anyway when not on a terminal)")
 
     profile = commands.add_parser("profile", help="measure and store this machine's verification cost curve")
     _add_model_args(profile)
@@ -143,6 +155,24 @@ def _generate(args) -> None:
     sources = f" accepted by source: {spec.drafter.contributions()}" if hasattr(spec.drafter, "contributions") else ""
     print(f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} {result.stats.summary()}{sources}",
           file=sys.stderr)
+
+
+def _chat(args) -> None:
+    from .api import SelfSpec
+    from .chat import main_loop
+    from .errors import SelfspecError
+    from .heads import parse_drafter_options
+    from .sampling import SamplingConfig
+
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # cheap checks first
+    parse_drafter_options(args.drafter)
+    if args.max_new_tokens <= 0:
+        raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
+                    kernels=args.kernels)
+    if spec.target.tokenizer is None:
+        raise SelfspecError(f"'{args.model}' has no tokenizer: chat needs one to read and print text")
+    main_loop(spec, args)
 
 
 def _profile(args) -> None:
@@ -280,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         {
-            "generate": _generate, "profile": _profile, "bench": _bench, "train": _train, "tune": _tune,
+            "generate": _generate, "chat": _chat, "profile": _profile, "bench": _bench, "train": _train, "tune": _tune,
             "medusa-tree": _medusa_tree,
             "drafters": _drafters,
         }[args.command](args)
