@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain how it works.
 
-.PHONY: run test setup
+.PHONY: run test setup browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -22,5 +22,15 @@ setup: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/selfspec generate --drafter auto --prompt "$(PROMPT)" --max-new-tokens 256
 
-test: $(VENV)/.installed
+# The browser test of `selfspec demo` drives Debian's Chromium and ChromeDriver: installed where apt-get can (as
+# root), otherwise that one test skips and says why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then exit 0; fi; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; \
+	fi; \
+	command -v chromedriver >/dev/null 2>&1 || echo "no Chromium here: the demo's browser test will skip"
+
+test: $(VENV)/.installed browser
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q tests

@@ -62,33 +62,48 @@ class Conversation:
         self.turns, self.dropped = [], 0
 
 
-class BurstPainter:
-    """Prints each step's committed tokens as text: the step's accepted drafted tokens (all but the last) in the
-    step's colour, the target's own token plain. Text is cut at character boundaries of the whole reply decoded so
-    far, and an incomplete multi-byte character waits for the rest."""
+class BurstSplitter:
+    """Turns each step's committed tokens into (burst, own) text: the step's accepted drafted tokens (all but the
+    last) and the target's own token. Text is cut at character boundaries of the whole reply decoded so far, and an
+    incomplete multi-byte character waits for the rest (None until it is complete)."""
 
-    def __init__(self, target: Target, write: Callable[[str], None], colour: bool):
-        self.target, self.write, self.colour = target, write, colour
+    def __init__(self, target: Target):
+        self.target = target
         self.tokens: list[int] = []
         self.printed = 0
-        self.steps = 0
 
-    def __call__(self, token_ids) -> None:
+    def split(self, token_ids) -> tuple[str, str] | None:
         token_ids = list(token_ids)
         drafted = len(self.tokens) + len(token_ids) - 1  # tokens up to the end of this step's accepted draft
         self.tokens.extend(token_ids)
         text = self.target.decode(self.tokens)
         if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the rest
+            return None
         boundary = min(max(len(self.target.decode(self.tokens[:drafted])), self.printed), len(text))
-        burst, own = text[self.printed:boundary], text[boundary:]
+        pieces = text[self.printed:boundary], text[boundary:]
+        self.printed = len(text)
+        return pieces
+
+
+class BurstPainter:
+    """Prints each step's committed tokens: the step's accepted drafted tokens in the step's colour, the target's own
+    token plain (BurstSplitter)."""
+
+    def __init__(self, target: Target, write: Callable[[str], None], colour: bool):
+        self.splitter, self.write, self.colour = BurstSplitter(target), write, colour
+        self.steps = 0
+
+    def __call__(self, token_ids) -> None:
+        pieces = self.splitter.split(token_ids)
         colour = COLOURS[self.steps % len(COLOURS)]
         self.steps += 1
-        if burst and self.colour and len(token_ids) > 1:
+        if pieces is None:
+            return
+        burst, own = pieces
+        if burst and self.colour:
             self.write(f"{colour}{burst}{RESET}{own}")
         else:
             self.write(burst + own)
-        self.printed = len(text)
 
 
 def status_line(drafter_name: str, stats, sources: dict[str, int] | None) -> str:

@@ -1,4 +1,4 @@
-"""`selfspec generate | chat | bench | profile | train | tune | medusa-tree | drafters`.
+"""`selfspec generate | chat | demo | bench | profile | train | tune | medusa-tree | drafters`.
 
 Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
 """
@@ -29,6 +29,18 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); auto = fast where it exists")
 
 
+def _add_drafter_args(parser: argparse.ArgumentParser, drafter_help: str) -> None:
+    parser.add_argument("--drafter", default="auto", help=drafter_help)
+    parser.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def _add_pace_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pace", dest="pace", action="store_false",
                         help="ask the drafter for a tree at every step, even while its drafting does not pay (default: pause it)")
@@ -40,28 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
     _add_model_args(generate)
-    generate.add_argument("--drafter", default="auto", help="drafter spec: a name (see `selfspec drafters`) with options, e.g. layerskip:adaptive=false,max_draft=6 (default: auto, prompt lookup merged with the trained heads found for the model)")
-    generate.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
+    _add_drafter_args(generate, "drafter spec: a name (see `selfspec drafters`) with options, e.g. layerskip:adaptive=false,max_draft=6 (default: auto, prompt lookup merged with the trained heads found for the model)")
     generate.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
     generate.add_argument("--max-new-tokens", type=int, default=256)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
-    generate.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    generate.add_argument("--seed", type=int, default=0)
+    _add_sampling_args(generate)
     _add_pace_arg(generate)
 
     chat = commands.add_parser("chat", help="talk with the model in the terminal; accepted draft bursts shown in colour")
     _add_model_args(chat)
-    chat.add_argument("--drafter", default="auto", help="drafter spec, as for generate (default: auto)")
-    chat.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
+    _add_drafter_args(chat, "drafter spec, as for generate (default: auto)")
     chat.add_argument("--system", default=None, help="a system message that opens the conversation")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="the longest reply, in tokens")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    chat.add_argument("--top-k", type=int, default=0, help="0 = off")
-    chat.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    chat.add_argument("--seed", type=int, default=0)
+    _add_sampling_args(chat)
     chat.add_argument("--no-color", action="store_true", help="plain text (colour is off anyway when not on a terminal)")
+
+    demo = commands.add_parser("demo", help="serve a web page: speculative decoding beside plain decoding, accepted bursts highlighted")
+    _add_model_args(demo)
+    _add_drafter_args(demo, "the drafter the page starts with (it can pick any other; default: auto)")
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    demo.add_argument("--port", type=int, default=7860)
+    demo.add_argument("--max-new-tokens", type=int, default=128, help="the page's default answer length")
 
     profile = commands.add_parser("profile", help="measure and store this machine's verification cost curve")
     _add_model_args(profile)
@@ -173,6 +184,32 @@ def _chat(args) -> None:
     if spec.target.tokenizer is None:
         raise SelfspecError(f"'{args.model}' has no tokenizer: chat needs one to read and print text")
     main_loop(spec, args)
+
+
+def _demo(args) -> None:
+    from .api import SelfSpec
+    from .demo import MAX_NEW_TOKENS_LIMIT, DemoState, bind, serve
+    from .errors import SelfspecError
+    from .heads import parse_drafter_options
+
+    parse_drafter_options(args.drafter)  # cheap checks first, then the port, then the model
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+        raise SelfspecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {args.max_new_tokens}")
+    if not 0 < args.port < 65536:
+        raise SelfspecError(f"--port must be between 1 and 65535, got {args.port}")
+    server = bind(args.host, args.port)
+    try:
+        spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
+                        kernels=args.kernels)
+        if spec.target.tokenizer is None:
+            raise SelfspecError(f"'{args.model}' has no tokenizer: the demo needs one to read and show text")
+    except BaseException:
+        server.server_close()
+        raise
+    state = DemoState(spec, args.heads, args.max_new_tokens)
+    print("selfspec demo: warming up (one short answer each way)", flush=True)
+    state.warm_up()
+    serve(server, state)
 
 
 def _profile(args) -> None:
@@ -310,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         {
-            "generate": _generate, "chat": _chat, "profile": _profile, "bench": _bench, "train": _train, "tune": _tune,
+            "generate": _generate, "chat": _chat, "demo": _demo, "profile": _profile, "bench": _bench, "train": _train, "tune": _tune,
             "medusa-tree": _medusa_tree,
             "drafters": _drafters,
         }[args.command](args)
