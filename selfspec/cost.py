@@ -24,8 +24,9 @@ from .models import Target, cache_root
 # Built-in estimates, used until `selfspec profile` has measured this machine.
 _BUILTIN = {
     "cpu": {1: 1.0, 2: 1.1, 4: 1.8, 8: 2.0, 16: 2.2, 32: 2.8, 64: 4.2},  # SmolLM2-135M fp32, 2-core CPU
-    # The same model on the fast path (pre-packed weights, selfspec.kernels), 2-core AVX2 EPYC, cache of 300.
-    "cpu-fast": {1: 1.0, 2: 1.12, 4: 1.21, 8: 1.30, 16: 1.67, 32: 2.26, 64: 3.45},
+    # The same model on the fast path (selfspec.kernels, q/k/v as one GEMM), 2-core AVX2 EPYC, cache of 300: the
+    # mean of three `selfspec profile` runs. Used only with SELFSPEC_AUTO_PROFILE=0 (otherwise a curve is measured).
+    "cpu-fast": {1: 1.0, 2: 1.03, 4: 1.16, 8: 1.34, 16: 1.69, 32: 2.41, 64: 3.99},
     "cuda": {1: 1.0, 8: 1.0, 16: 1.02, 32: 1.05, 64: 1.1},
 }
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
