@@ -14,21 +14,48 @@ from .models import DEFAULT_MODEL, Target, load_target
 from .sampling import SamplingConfig
 
 
+class StepText:
+    """Turns each step's committed token ids into (burst, own) text: the step's accepted drafted tokens (all but the
+    last) and the target's own token. Text is cut at character boundaries of the whole reply decoded so far, and an
+    incomplete multi-byte character waits for the rest (None until it is complete)."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def split(self, token_ids) -> tuple[str, str] | None:
+        token_ids = list(token_ids)
+        drafted = len(self.tokens) + len(token_ids) - 1  # tokens up to the end of this step's accepted draft
+        self.tokens.extend(token_ids)
+        text = self.target.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return None
+        # A one-token step has no burst: no second decode.
+        boundary = self.printed if len(token_ids) == 1 else len(self.target.decode(self.tokens[:drafted]))
+        boundary = min(max(boundary, self.printed), len(text))
+        pieces = text[self.printed:boundary], text[boundary:]
+        self.printed = len(text)
+        return pieces
+
+
 class TextStream:
     """Turns committed token ids into printable text pieces as they arrive (never splitting a multi-byte char)."""
 
     def __init__(self, target: Target, sink: Callable[[str], None]):
-        self.target, self.sink = target, sink
-        self.tokens: list[int] = []
-        self.printed = 0
+        self.text, self.sink = StepText(target), sink
 
     def __call__(self, token_ids) -> None:
-        self.tokens.extend(token_ids)
-        text = self.target.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the rest
-        self.sink(text[self.printed :])
-        self.printed = len(text)
+        pieces = self.text.split(token_ids)
+        if pieces is not None:
+            self.sink(pieces[0] + pieces[1])
+
+
+def accepted_since(drafter, before: dict[str, int]) -> dict[str, int] | None:
+    """Accepted draft tokens by source since `before` (a copy of `drafter.accepted_by_source`), or None for a drafter
+    that does not count them by source."""
+    after = getattr(drafter, "accepted_by_source", {})
+    return {name: count - before.get(name, 0) for name, count in after.items()} or None
 
 
 class SelfSpec:

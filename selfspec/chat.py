@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, TextIO
 
+from .api import StepText, accepted_since
 from .errors import SelfspecError
 from .models import Target
 
@@ -62,35 +63,12 @@ class Conversation:
         self.turns, self.dropped = [], 0
 
 
-class BurstSplitter:
-    """Turns each step's committed tokens into (burst, own) text: the step's accepted drafted tokens (all but the
-    last) and the target's own token. Text is cut at character boundaries of the whole reply decoded so far, and an
-    incomplete multi-byte character waits for the rest (None until it is complete)."""
-
-    def __init__(self, target: Target):
-        self.target = target
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def split(self, token_ids) -> tuple[str, str] | None:
-        token_ids = list(token_ids)
-        drafted = len(self.tokens) + len(token_ids) - 1  # tokens up to the end of this step's accepted draft
-        self.tokens.extend(token_ids)
-        text = self.target.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return None
-        boundary = min(max(len(self.target.decode(self.tokens[:drafted])), self.printed), len(text))
-        pieces = text[self.printed:boundary], text[boundary:]
-        self.printed = len(text)
-        return pieces
-
-
 class BurstPainter:
     """Prints each step's committed tokens: the step's accepted drafted tokens in the step's colour, the target's own
-    token plain (BurstSplitter)."""
+    token plain (api.StepText)."""
 
     def __init__(self, target: Target, write: Callable[[str], None], colour: bool):
-        self.splitter, self.write, self.colour = BurstSplitter(target), write, colour
+        self.splitter, self.write, self.colour = StepText(target), write, colour
         self.steps = 0
 
     def __call__(self, token_ids) -> None:
@@ -162,8 +140,7 @@ def run_chat(spec, stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: b
             continue
         turn += 1
         conversation.add_reply(result.text)
-        after = getattr(drafter, "accepted_by_source", {})
-        sources = {name: count - before.get(name, 0) for name, count in after.items()} or None
+        sources = accepted_since(drafter, before)
         stdout.write("\n")
         stdout.flush()
         dropped = f" (oldest turns dropped to fit the context: {conversation.dropped})" if conversation.dropped else ""

@@ -136,8 +136,20 @@ def _dtype(name: str | None):
     return None if name is None else getattr(torch, name)
 
 
-def _generate(args) -> None:
+def _load_spec(args, needs_text: str | None = None):
+    """The SelfSpec the model and drafter arguments name; `needs_text`: the command, which cannot run without a
+    tokenizer."""
     from .api import SelfSpec
+    from .errors import SelfspecError
+
+    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
+                    kernels=args.kernels)
+    if needs_text and spec.target.tokenizer is None:
+        raise SelfspecError(f"'{args.model}' has no tokenizer: {needs_text} needs one to read and show text")
+    return spec
+
+
+def _generate(args) -> None:
     from .errors import SelfspecError
     from .heads import parse_drafter_options
     from .sampling import SamplingConfig
@@ -149,8 +161,7 @@ def _generate(args) -> None:
         raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
     if not args.prompt.strip():
         raise SelfspecError("the prompt is empty: pass some text with --prompt")
-    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
-                    kernels=args.kernels)
+    spec = _load_spec(args)
     result = spec.generate(
         prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,
@@ -169,7 +180,6 @@ def _generate(args) -> None:
 
 
 def _chat(args) -> None:
-    from .api import SelfSpec
     from .chat import main_loop
     from .errors import SelfspecError
     from .heads import parse_drafter_options
@@ -179,15 +189,10 @@ def _chat(args) -> None:
     parse_drafter_options(args.drafter)
     if args.max_new_tokens <= 0:
         raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-    spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
-                    kernels=args.kernels)
-    if spec.target.tokenizer is None:
-        raise SelfspecError(f"'{args.model}' has no tokenizer: chat needs one to read and print text")
-    main_loop(spec, args)
+    main_loop(_load_spec(args, needs_text="chat"), args)
 
 
 def _demo(args) -> None:
-    from .api import SelfSpec
     from .demo import MAX_NEW_TOKENS_LIMIT, DemoState, bind, serve
     from .errors import SelfspecError
     from .heads import parse_drafter_options
@@ -199,10 +204,7 @@ def _demo(args) -> None:
         raise SelfspecError(f"--port must be between 1 and 65535, got {args.port}")
     server = bind(args.host, args.port)
     try:
-        spec = SelfSpec(args.model, drafter=args.drafter, heads=args.heads, device=args.device, dtype=_dtype(args.dtype),
-                        kernels=args.kernels)
-        if spec.target.tokenizer is None:
-            raise SelfspecError(f"'{args.model}' has no tokenizer: the demo needs one to read and show text")
+        spec = _load_spec(args, needs_text="the demo")
     except BaseException:
         server.server_close()
         raise

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
-from .chat import BurstSplitter
+from .api import StepText, accepted_since
 from .errors import SelfspecError
 from .heads import drafter_names, parse_drafter_options
 
@@ -72,7 +72,7 @@ class DemoState:
                 self._one_run(run, spec, input_ids, max_new_tokens, send)
 
     def _one_run(self, run: str, spec, input_ids, max_new_tokens: int, send) -> None:
-        splitter, counts = BurstSplitter(self.target), {"tokens": 0}
+        splitter, counts = StepText(self.target), {"tokens": 0}
         start = time.perf_counter()
         send({"event": "start", "run": run, "drafter": spec.drafter.describe()})
 
@@ -84,11 +84,10 @@ class DemoState:
 
         before = dict(getattr(spec.drafter, "accepted_by_source", {}))
         result = spec.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, on_step=on_step)
-        after = getattr(spec.drafter, "accepted_by_source", {})
         stats = result.stats
         send({"event": "done", "run": run, "tokens": stats.new_tokens, "tok_s": round(stats.tokens_per_s, 2),
               "tau": round(stats.mean_accepted_length, 3), "forwards": stats.target_forwards,
-              "sources": {name: count - before.get(name, 0) for name, count in after.items()} or None})
+              "sources": accepted_since(spec.drafter, before)})
 
 
 def page() -> bytes:
