@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 16 new tokens")
 
     train = commands.add_parser("train", help="self-distil a drafter's heads from the target (data, labels, training, eval)")
-    train.add_argument("drafter", help="which drafter to train (those with a training recipe: medusa, eagle, dflash)")
+    train.add_argument("drafter", help="which drafter to train (those with a training recipe: medusa, eagle, eagle3, dflash)")
     train.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/medusa-smollm2.yaml")
     train.add_argument("--model", default=None, help="override the recipe's model")
     train.add_argument("--out", default=None, help="override the recipe's output heads directory")
@@ -125,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--data", required=True, help="'sharegpt' (training split) or a JSONL file of conversations the heads were not trained on")
     tree.add_argument("--conversations", type=_positive_int, default=100)
     tree.add_argument("--max-nodes", type=_positive_int, default=64, help="tree candidates to rank (the budget is chosen at run time)")
+
+    export = commands.add_parser("export", help="write eagle3 heads in another library's format (speculators: vLLM loads it)")
+    _add_model_args(export)
+    export.add_argument("--heads", required=True, help="the eagle3 heads directory to export")
+    export.add_argument("--format", required=True, choices=["speculators"], help="the format to write")
+    export.add_argument("--verifier", default=None, help="the target's name recorded for the server to load (default: the "
+                        "hub id of the default model, else --model)")
+    export.add_argument("--weights-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    export.add_argument("out", help="the directory to write")
+    imports = commands.add_parser("import", help="turn a speculators EAGLE-3 directory into eagle3 heads checked against the model")
+    _add_model_args(imports)
+    imports.add_argument("source", help="the speculators directory (config.json + model.safetensors)")
+    imports.add_argument("out", help="the heads directory to write")
 
     commands.add_parser("drafters", help="list the registered drafters")
     return parser
@@ -325,6 +338,29 @@ def _medusa_tree(args) -> None:
     print(f"tree of up to {result['nodes']} nodes from {result['sequences']} sequences written to {args.heads}")
 
 
+def _export(args) -> None:
+    from pathlib import Path
+
+    from .heads.eagle import export_heads
+    from .models import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID, load_target
+
+    target = load_target(args.model, device="cpu", dtype=_dtype(args.dtype), kernels="stock")
+    verifier = args.verifier or (DEFAULT_MODEL_HUB_ID if args.model == DEFAULT_MODEL else str(Path(args.model).resolve()))
+    out = export_heads(target, Path(args.heads), Path(args.out), verifier, args.weights_dtype)
+    print(f"speculators EAGLE-3 head written to {out} (verifier {verifier})")
+
+
+def _import(args) -> None:
+    from pathlib import Path
+
+    from .heads.eagle import import_heads
+    from .models import load_target
+
+    target = load_target(args.model, device="cpu", dtype=_dtype(args.dtype), kernels="stock")
+    out = import_heads(target, Path(args.source), Path(args.out))
+    print(f"eagle3 heads written to {out}: use --drafter eagle3 --heads {out}")
+
+
 def _drafters(args) -> None:
     from dataclasses import fields
 
@@ -350,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         {
             "generate": _generate, "chat": _chat, "demo": _demo, "profile": _profile, "bench": _bench, "train": _train, "tune": _tune,
-            "medusa-tree": _medusa_tree,
+            "medusa-tree": _medusa_tree, "export": _export, "import": _import,
             "drafters": _drafters,
         }[args.command](args)
     except SelfspecError as error:

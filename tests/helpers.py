@@ -30,7 +30,7 @@ from selfspec.decoding import speculative_generate
 from selfspec.heads.artifacts import save_head
 from selfspec.heads.base import Drafter, DraftRequest, Observation
 from selfspec.heads.dflash import DFlashConfig, DFlashHead
-from selfspec.heads.eagle import EagleConfig, EagleHead
+from selfspec.heads.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleHead
 from selfspec.heads.layerskip import LayerSkipSettings, TunedSkipSet, save_skip_file
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.models import Target, load_target
@@ -338,6 +338,24 @@ def random_eagle_dir(target, directory, draft_vocab=None, seed=0, **config):
     return save_head(directory, "eagle", config, head.state_dict(), target.fingerprint, {})
 
 
+def random_eagle3_head(target, draft_vocab=None, seed=0, **config) -> Eagle3Head:
+    config = Eagle3Config(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
+    torch.manual_seed(seed)
+    head = Eagle3Head(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
+    for name, parameter in head.named_parameters():
+        if parameter.dim() > 1:
+            torch.nn.init.normal_(parameter, std=0.3)
+        else:  # norms too, so a mix-up of the two input norms or of the final norm shows
+            torch.nn.init.uniform_(parameter, 0.5, 1.5)
+    return head
+
+
+def random_eagle3_dir(target, directory, draft_vocab=None, seed=0, **config):
+    head = random_eagle3_head(target, draft_vocab, seed, **config)
+    config = Eagle3Config(**{**head.config.__dict__, "feature_layers": head.feature_layers})
+    return save_head(directory, "eagle3", config, head.state_dict(), target.fingerprint, {})
+
+
 def random_dflash_dir(target, directory, draft_vocab=None, seed=0, **config):
     config = DFlashConfig(**{"block_size": 4, "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
                              "top_k": 3, "max_tree_nodes": 10, **config})
@@ -372,7 +390,7 @@ def tiny_recipe(tmp_path, checkpoint, **changes) -> RecipeConfig:
     return replace(config, **changes)
 
 
-def tiny_training_setup(tiny_checkpoint, count=12):
+def tiny_training_setup(tiny_checkpoint, count=12, layers=(-1,)):
     target = load_target(str(tiny_checkpoint))
     rng = random.Random(1)
     examples = []
@@ -382,7 +400,7 @@ def tiny_training_setup(tiny_checkpoint, count=12):
             {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(10))},
         ))
         examples.append(tokenize_conversation(target, conversation, 64))
-    sequences = [label_sequence(target, e, (-1,), 4) for e in examples]
+    sequences = [label_sequence(target, e, layers, 4) for e in examples]
     config = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3)
     make = lambda: MedusaTraining(MedusaHeads(config, target, torch.arange(target.vocab_size)), 0.8)
     return target, sequences, make

@@ -42,13 +42,14 @@ from .helpers import (
     hf_greedy,
     make_tiny_target,
     random_dflash_dir,
+    random_eagle3_dir,
     random_eagle_dir,
     random_medusa_dir,
     tuned_skip_file,
     without_eos,
 )
 
-BUILTIN = {"none", "ngram", "medusa", "eagle", "dflash", "layerskip", "auto"}
+BUILTIN = {"none", "ngram", "medusa", "eagle", "eagle3", "dflash", "layerskip", "auto"}
 CHI_PROMPT = [5, 3, 5]  # a prefill for the heads' hidden states, and a repeat for prompt lookup to copy
 CHI_SAMPLES = 4_000
 
@@ -94,6 +95,13 @@ CASES: dict[str, Case] = {
     "eagle": Case(
         make_artifacts=lambda target, path, reduced: random_eagle_dir(target, path, draft_vocab=_half(target) if reduced else None),
         resave=_resave_head("eagle"),
+        greedy_options=({}, {"max_nodes": 3}, {"fixed_nodes": 10, "top_k": 2}),
+        chi_options={"max_nodes": 5, "top_k": 2, "depth": 2},
+        drafts=True,
+    ),
+    "eagle3": Case(
+        make_artifacts=lambda target, path, reduced: random_eagle3_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        resave=_resave_head("eagle3"),
         greedy_options=({}, {"max_nodes": 3}, {"fixed_nodes": 10, "top_k": 2}),
         chi_options={"max_nodes": 5, "top_k": 2, "depth": 2},
         drafts=True,

@@ -12,9 +12,18 @@ from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.heads.eagle import EagleConfig, EagleHead, causal_block_mask, grow_tree
+from selfspec.heads.eagle import EagleConfig, EagleHead, grow_tree
+from selfspec.tree_attention import causal_block_mask
 
-from .helpers import PROMPT, tiny_recipe, tiny_training_setup, hf_greedy, make_tiny_target, random_eagle_dir
+from .helpers import (
+    PROMPT,
+    hf_greedy,
+    make_tiny_target,
+    random_eagle3_head,
+    random_eagle_dir,
+    tiny_recipe,
+    tiny_training_setup,
+)
 
 
 def log_probs(*probabilities):
@@ -84,8 +93,9 @@ def test_wrong_base_and_round_trip(tmp_path):
         create_drafter("medusa", target, directory)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_unrolled_training_sees_what_drafting_sees(family):
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_unrolled_training_sees_what_drafting_sees(family, kind):
     """Step s of the unrolled training (EAGLE-3's training-time test) equals drafting s levels deep from a committed
     prefix: the same pairs, positions and visible keys."""
     from transformers import DynamicCache
@@ -93,11 +103,15 @@ def test_unrolled_training_sees_what_drafting_sees(family):
     from selfspec.training.eagle import EagleTraining, unrolled_mask
 
     target = make_tiny_target(family)
-    config = EagleConfig(draft_vocab_size=0, feature_noise=0.0, unroll_steps=3)
-    torch.manual_seed(0)
-    head = EagleHead(config, target, torch.arange(target.vocab_size)).eval()
-    for parameter in head.parameters():
-        torch.nn.init.normal_(parameter, std=0.3)
+    if kind == "eagle":
+        config = EagleConfig(draft_vocab_size=0, feature_noise=0.0, unroll_steps=3)
+        torch.manual_seed(0)
+        head = EagleHead(config, target, torch.arange(target.vocab_size)).eval()
+        for parameter in head.parameters():
+            torch.nn.init.normal_(parameter, std=0.3)
+    else:
+        head = random_eagle3_head(target).eval()
+        config = head.config
     rows, hidden_size = 7, target.config.hidden_size
     features = torch.randn(1, rows, hidden_size)
     input_ids = torch.randint(0, target.vocab_size, (1, rows + 1))
@@ -107,12 +121,12 @@ def test_unrolled_training_sees_what_drafting_sees(family):
             cache = DynamicCache()
             positions = torch.arange(1, t + 2).view(1, -1)
             step_output = head(features[:, : t + 1], input_ids[:, 1 : t + 2], positions, causal_block_mask(0, t + 1, torch.float32, "cpu"), cache)[:, -1:]
-            torch.testing.assert_close(step_output[0, 0], unrolled[0][0, t], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(step_output[0, 0], unrolled[0][0, t], atol=1e-4, rtol=1e-4)
             for step in (1, 2):
                 token = input_ids[:, t + 1 + step : t + 2 + step]
                 position = torch.tensor([[t + 1 + step]])
                 step_output = head(step_output, token, position, causal_block_mask(t + step, 1, torch.float32, "cpu"), cache)
-                torch.testing.assert_close(step_output[0, 0], unrolled[step][0, t], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(step_output[0, 0], unrolled[step][0, t], atol=1e-4, rtol=1e-4)
     visible = unrolled_mask(3, 2, torch.float32, "cpu")[0, 0] == 0
     assert visible.int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
 
@@ -152,4 +166,57 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
     target._eos = ()
     prompt = target.encode_prompt("the cat sat on")[0].tolist()
     tokens, _ = speculative_generate(target, create_drafter("eagle", target, heads_dir), torch.tensor(prompt), 20)
+    assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)
+
+
+def test_eagle3_layers_and_config_checks():
+    from selfspec.heads.eagle import Eagle3Config, Eagle3Head, eagle3_layers
+
+    assert eagle3_layers(30) == (2, 15, 27) and eagle3_layers(2) == (0, 1, 2) and eagle3_layers(4) == (0, 2, 4)
+    target = make_tiny_target("llama")
+    head = Eagle3Head(Eagle3Config(draft_vocab_size=0), target, torch.arange(target.vocab_size))
+    names = set(head.state_dict())
+    assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight", "norm.weight"} <= names
+    assert head.fc.bias is None and head.layers[0].self_attn.q_proj.in_features == 2 * target.config.hidden_size
+    with pytest.raises(SelfspecError, match="eagle3 predicts no feature: set hidden_weight to 0"):
+        Eagle3Head(Eagle3Config(hidden_weight=1.0), target, torch.arange(target.vocab_size))
+    with pytest.raises(SelfspecError, match=r"feature_layers \[1, 1\] must be distinct and lie in 0 .. 2"):
+        Eagle3Head(Eagle3Config(feature_layers=(1, 1)), target, torch.arange(target.vocab_size))
+    with pytest.raises(SelfspecError, match=r"feature_layers \[0, 3\]"):
+        Eagle3Head(Eagle3Config(feature_layers=(0, 3)), target, torch.arange(target.vocab_size))
+
+
+def test_tiny_eagle3_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
+    import json
+
+    from selfspec.heads.eagle import Eagle3Config, Eagle3Head
+    from selfspec.models import load_target
+    from selfspec.training.config import TrainConfig
+    from selfspec.training.eagle import EagleTraining
+    from selfspec.training.pipeline import run_recipe
+    from selfspec.training.trainer import collate, train
+
+    target, sequences, _ = tiny_training_setup(tiny_checkpoint, layers=(0, 1, 2))
+    config = Eagle3Config(draft_vocab_size=0, unroll_steps=2)
+    module = EagleTraining(Eagle3Head(config, target, torch.arange(target.vocab_size)), config)
+    batch = collate(sequences, torch.device("cpu"))
+    with torch.no_grad():
+        before, metrics = module.training_loss(batch)
+    assert set(metrics) == {"top1", "top1@2"}  # a token loss per unrolled step, no feature loss
+    train(module, len(sequences), sequences.__getitem__, TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40,
+          checkpoint_every=100, log_every=5), tmp_path / "ckpt")
+    with torch.no_grad():
+        after = module.training_loss(batch)[0]
+    assert after.item() < 0.7 * before.item()
+
+    recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="eagle3", eagle3=Eagle3Config(draft_vocab_size=16, top_k=2, depth=3))
+    report = run_recipe(recipe)
+    assert report["drafter"] == "eagle3" and report["steps"] == 12 and "top1@3" in report["final_metrics"]
+    heads_dir = tmp_path / "heads"
+    saved = json.loads((heads_dir / "config.json").read_text())
+    assert saved["drafter"] == "eagle3" and saved["config"]["feature_layers"] == [0, 1, 2]  # resolved and written
+    target = load_target(str(tiny_checkpoint))
+    target._eos = ()
+    prompt = target.encode_prompt("the cat sat on")[0].tolist()
+    tokens, _ = speculative_generate(target, create_drafter("eagle3", target, heads_dir), torch.tensor(prompt), 20)
     assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)

@@ -66,6 +66,10 @@ def load_head(directory: Path, drafter: str, config_cls, target: Target) -> Head
         document = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise SelfspecError(f"{config_path} is not valid JSON ({error.msg})") from None
+    if isinstance(document, dict) and "speculators_model_type" in document:
+        kind = document["speculators_model_type"]
+        hint = "use --drafter eagle3" if kind == "eagle3" else "selfspec reads speculators eagle3 heads only"
+        raise SelfspecError(f"'{directory}' holds speculators '{kind}' heads, not '{drafter}': {hint}")
     if not isinstance(document, dict) or set(document) != {"drafter", "config", "data"}:
         raise SelfspecError(f"{config_path}: expected the keys drafter, config, data")
     if document["drafter"] != drafter:
@@ -159,4 +163,6 @@ def heads_kind(path: Path) -> str | None:
         document = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError):
         return "layerskip" if (path / SKIP_FILE).is_file() else None
+    if isinstance(document, dict) and document.get("speculators_model_type") == "eagle3":
+        return "eagle3"  # a speculators EAGLE-3 directory (heads/eagle/speculators.py)
     return document.get("drafter") if isinstance(document, dict) else None

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..files import atomic_write_text
-from ..models import ModelFingerprint, Target, cache_root
+from ..models import ModelFingerprint, Target, cache_root, sublayer_style
 from ..options import from_dict, to_dict
 from ..tree_attention import DraftTree, trim_cache
 from .artifacts import SHIPPED_DIR, SKIP_FILE
@@ -93,14 +93,6 @@ def every_other_layer(num_layers: int) -> tuple[int, ...]:
     return tuple(range(1, num_layers, 2))
 
 
-def _sublayers(layer: torch.nn.Module) -> str:
-    """'pre' for pre-norm layers (Llama, Qwen, Mistral, Gemma), 'sandwich' for Gemma-2-style ones with norms around
-    both sublayers; anything else cannot be split and is an error."""
-    if all(hasattr(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
-        return "sandwich" if hasattr(layer, "pre_feedforward_layernorm") else "pre"
-    raise SelfspecError(f"layerskip: cannot split {type(layer).__name__} into attention and MLP sublayers")
-
-
 class SkippingForward:
     """The target's forward with sublayers skipped, over its own modules. Stateless: the caller owns the cache."""
 
@@ -111,7 +103,7 @@ class SkippingForward:
             raise SelfspecError(f"layerskip: {type(model).__name__} does not expose model.layers / norm / rotary_emb")
         self.model, self.inner, self.plan = model, inner, plan
         self.layers = list(inner.layers[: target.config.num_hidden_layers])
-        self.styles = [_sublayers(layer) for layer in self.layers]
+        self.styles = [sublayer_style(layer, "layerskip") for layer in self.layers]
         self.split_all = split_all  # run every layer as two halves (tests check the halves against the stock layer)
         config = target.config
         layer_types = getattr(config, "layer_types", None)

@@ -1,6 +1,6 @@
 """Typed training recipes: a YAML file maps 1:1 onto these dataclasses; unknown keys are an error, not ignored.
 
-The heads' own configs (MedusaConfig, EagleConfig, DFlashConfig) live beside their drafters in heads/."""
+The heads' own configs (MedusaConfig, EagleConfig, Eagle3Config, DFlashConfig) live beside their drafters in heads/."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 
 from ..errors import SelfspecError
 from ..heads.dflash import DFlashConfig
-from ..heads.eagle import EagleConfig
+from ..heads.eagle import Eagle3Config, EagleConfig
 from ..heads.medusa import MedusaConfig
 from ..options import from_dict
 
@@ -68,6 +68,7 @@ class RecipeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     dflash: DFlashConfig = field(default_factory=DFlashConfig)
 
     @property

@@ -1,7 +1,10 @@
 """EAGLE training: from pair (feature t, token t + 1) predict feature t + 1 (smooth L1) and, through the target's
 frozen LM head, the target's distribution at t + 1 (soft cross-entropy against its top-k), with uniform noise on
 the input features so the head tolerates its own imperfect features when it drafts several steps ahead; optionally
-unrolled over several draft steps on its own features (EAGLE-3's training-time test)."""
+unrolled over several draft steps on its own features (EAGLE-3's training-time test).
+
+EAGLE-3 (`eagle3`) trains through the same loop: its features are three layers' hidden states fused by its fc, it
+has no feature loss (hidden_weight 0) and unrolls three steps by default."""
 
 from __future__ import annotations
 
@@ -10,15 +13,12 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import SelfspecError
-from ..heads.eagle import EagleConfig, EagleHead
+from ..heads.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleFamilyHead, EagleHead, resolve_eagle3_layers
 from ..models import Target
 from .config import RecipeConfig
 from .losses import draft_vocabulary, soft_cross_entropy
 from .stages import recipe_data, train_and_save
 from .trainer import Batch, TrainableHead
-
-LAYERS = (-1,)
-
 
 class EagleTraining(TrainableHead):
     """Step 0 is teacher-forced: pair t = (the target's feature t, token t + 1). With `unroll_steps` U > 1 the head
@@ -26,7 +26,7 @@ class EagleTraining(TrainableHead):
     (the head's own step s - 1 prediction of feature t + s, token t + s + 1) at position t + s + 1, attending to
     the teacher-forced pairs 0..t and to row t of every earlier step, exactly the keys a depth-s draft node sees."""
 
-    def __init__(self, head: EagleHead, config: EagleConfig):
+    def __init__(self, head: EagleFamilyHead, config: EagleConfig):
         super().__init__()
         if config.unroll_steps < 1:
             raise SelfspecError(f"eagle.unroll_steps must be >= 1, got {config.unroll_steps}")
@@ -34,30 +34,32 @@ class EagleTraining(TrainableHead):
         self.config = config
 
     def training_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        hidden = batch.hidden[-1]  # [B, L, H] the target's LM-head inputs
-        rows = hidden.shape[1] - 1  # pairs t = 0 .. L - 2
+        inputs = self.head.gather_features(batch.hidden)  # [B, L, F] the target's features
+        rows = inputs.shape[1] - 1  # pairs t = 0 .. L - 2
         steps = min(self.config.unroll_steps, rows - 1)
         if steps < 1:
             return self.head.fc.weight.sum() * 0.0, {}
-        features = hidden[:, :-1]  # step 0: feature t
+        features = inputs[:, :-1]  # step 0: feature t
         if self.training and self.config.feature_noise > 0:
             features = features + (torch.rand_like(features) * 2 - 1) * self.config.feature_noise
         total, metrics = 0.0, {}
-        for step, predicted in enumerate(self.unroll(features, batch.input_ids, steps)):
+        for step, predicted in enumerate(self.unroll(self.head.fuse(features), batch.input_ids, steps)):
             # Learn where the label (feature and distribution at t + s + 1) exists and token t + s + 2 is learnable.
             learnable = torch.zeros_like(batch.loss_mask[:, 1:])
             learnable[:, : rows - 1 - step] = batch.loss_mask[:, 2 + step :] & batch.valid[:, 2 + step :]
             chosen = predicted[learnable]
             labelled = learnable[:, : rows - step]  # the same rows, indexing labels from position s + 1
-            hidden_loss = torch.nn.functional.smooth_l1_loss(chosen, hidden[:, 1 + step :][labelled])
             token_loss, _, agreement = soft_cross_entropy(
                 self.head.draft_logits(chosen), batch.topk_ids[:, 1 + step :][labelled],
                 batch.topk_probs[:, 1 + step :][labelled], self.head.target_to_draft,
             )
-            total = total + self.config.hidden_weight * hidden_loss + self.config.token_weight * token_loss
+            total = total + self.config.token_weight * token_loss
             metrics["top1" if step == 0 else f"top1@{step + 1}"] = agreement
-            if step == 0:
-                metrics["feat"] = float(hidden_loss.detach())
+            if self.config.hidden_weight:  # EAGLE-1: the next feature (the LM head's input) is a label too
+                hidden_loss = torch.nn.functional.smooth_l1_loss(chosen, batch.hidden[-1][:, 1 + step :][labelled])
+                total = total + self.config.hidden_weight * hidden_loss
+                if step == 0:
+                    metrics["feat"] = float(hidden_loss.detach())
         return total / steps, metrics
 
     def unroll(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int):
@@ -87,10 +89,21 @@ def unrolled_mask(rows: int, step: int, dtype: torch.dtype, device) -> torch.Ten
 
 
 def train_eagle(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
-    eagle = config.eagle
+    return _train_eagle_family(target, config, config.eagle, EagleHead, (-1,), resume, max_steps, timings)
+
+
+def train_eagle3(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
+    layers = resolve_eagle3_layers(config.eagle3, target.config.num_hidden_layers)
+    return _train_eagle_family(target, config, config.eagle3, Eagle3Head, layers, resume, max_steps, timings)
+
+
+def _train_eagle_family(target: Target, config: RecipeConfig, eagle: EagleConfig, head_cls, layers: tuple[int, ...],
+                        resume: bool, max_steps: int | None, timings: dict) -> dict:
     if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
-        raise SelfspecError("eagle: top_k, depth and max_tree_nodes must be >= 1")
-    data = recipe_data(target, config, LAYERS, timings)
+        raise SelfspecError(f"{config.drafter}: top_k, depth and max_tree_nodes must be >= 1")
+    data = recipe_data(target, config, layers, timings)
     draft_vocab = draft_vocabulary(data.train.sample, eagle.draft_vocab_size, target.vocab_size)
-    head = EagleHead(eagle, target, draft_vocab).float()
+    head = head_cls(eagle, target, draft_vocab).float()
+    if isinstance(eagle, Eagle3Config):  # the layers used are part of the head: written into its config
+        eagle = Eagle3Config(**{**eagle.__dict__, "feature_layers": head.feature_layers})
     return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)

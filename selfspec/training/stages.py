@@ -54,7 +54,10 @@ def prepare_examples(target: Target, config: RecipeConfig) -> tuple[list[Example
 def label_examples(target: Target, examples: list[Example], config: RecipeConfig, name: str, layers: tuple[int, ...]) -> LabeledData:
     labels = config.labels
     if labels.storage == "cache":
-        directory = build_label_cache(target, examples, config.work_path / f"labels-{name}", layers, labels.top_k, labels.shard_examples)
+        # One cache per layer set, so recipes sharing a work_dir (EAGLE reads the top layer, EAGLE-3 three) keep theirs.
+        suffix = "+".join("top" if layer == -1 else str(layer) for layer in layers) or "none"
+        directory = build_label_cache(target, examples, config.work_path / f"labels-{name}-{suffix}", layers,
+                                      labels.top_k, labels.shard_examples)
         sequences = load_label_cache(directory)
         return LabeledData(len(sequences), sequences.__getitem__, sequences)
     if labels.storage == "stream":

@@ -19,11 +19,11 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from ..cost import CostCurve
-from ..models import Target
-from ..tree_attention import DraftTree, causal_block_mask, trim_cache
-from .base import DraftRequest, Observation, check_at_least_one, register_drafter
-from .vocab import ReducedVocabHead, VocabHeadDrafter
+from ...cost import CostCurve
+from ...models import Target
+from ...tree_attention import DraftTree, causal_block_mask, trim_cache
+from ..base import DraftRequest, Observation, check_at_least_one, register_drafter
+from ..vocab import ReducedVocabHead, VocabHeadDrafter
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,29 @@ class EagleOptions:
         check_at_least_one("eagle", self)
 
 
-class EagleHead(ReducedVocabHead):
+class EagleFamilyHead(ReducedVocabHead):
+    """What the EAGLE drafter needs of a head beside its forward: the target features it reads, how they enter it,
+    and the target's frozen input embeddings (a view, not saved)."""
+
+    feature_layers: tuple[int, ...] = (-1,)  # the target hidden_states the head reads (EAGLE-1: the LM head's input)
+
+    def attach_embeddings(self, model: torch.nn.Module) -> None:
+        self.register_buffer("embed_weight", model.get_input_embeddings().weight.detach(), persistent=False)
+        self.embed_scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))  # Gemma scales embeddings
+
+    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.nn.functional.embedding(tokens, self.embed_weight).to(dtype) * self.embed_scale
+
+    def gather_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states (layer -> [..., H]) -> the head's input features [..., F]."""
+        return torch.cat([hidden[layer] for layer in self.feature_layers], dim=-1)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., F] -> the feature the head's forward reads [..., H] (EAGLE-1 reads them as they are)."""
+        return features
+
+
+class EagleHead(EagleFamilyHead):
     def __init__(self, config: EagleConfig, target: Target, draft_vocab: torch.Tensor):
         super().__init__()
         model = target.model
@@ -61,15 +83,12 @@ class EagleHead(ReducedVocabHead):
         self.layer = type(model.model.layers[0])(target.config, layer_idx=0)  # the base's own decoder-layer class
         self.rotary = type(model.model.rotary_emb)(config=target.config)
         self.attach_draft_vocab(model.get_output_embeddings().weight, draft_vocab)
-        # A frozen view of the target's input embeddings (not saved).
-        self.register_buffer("embed_weight", model.get_input_embeddings().weight.detach(), persistent=False)
-        self.embed_scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))  # Gemma scales embeddings
+        self.attach_embeddings(model)
 
     def forward(self, features, tokens, position_ids, attention_mask=None, cache=None) -> torch.Tensor:
         """features [B, T, H], tokens [B, T], position_ids [B, T], additive mask [B, 1, T, K] or None (causal,
         only without a cache) -> predicted features [B, T, H]."""
-        embedded = torch.nn.functional.embedding(tokens, self.embed_weight).to(features.dtype) * self.embed_scale
-        fused = self.fc(torch.cat([features, embedded], dim=-1))
+        fused = self.fc(torch.cat([features, self.embed(tokens, features.dtype)], dim=-1))
         position_embeddings = self.rotary(fused, position_ids)
         output = self.layer(
             fused, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
@@ -145,6 +164,7 @@ class EagleDrafter(VocabHeadDrafter):
 
     def __init__(self, target: Target, cost_curve: CostCurve, head: EagleHead, options: EagleOptions = EagleOptions()):
         super().__init__(target, cost_curve, head, options)
+        self.hidden_layers = head.feature_layers
         self.depth = options.depth or head.config.depth
         self.reset()
 
@@ -165,11 +185,13 @@ class EagleDrafter(VocabHeadDrafter):
         """Queue the new (feature, token) pairs; the head reads them at the next proposal, in one forward however many
         steps passed without one (the decoding loop pauses drafting that does not pay)."""
         self.calibrate(observation)
-        hidden = observation.hidden.get(-1)
+        if any(layer not in observation.hidden for layer in self.hidden_layers):
+            return
+        hidden = self.head.gather_features(observation.hidden)
         # Pairs (true feature of position j - 1, token j): after the prefill j = 1 .. L - 1 (rows = prompt[:-1]);
         # after a step the accepted path's rows pair with the tokens just committed.
         tokens = observation.new_tokens[1:] if observation.result is None else observation.new_tokens
-        if hidden is None or hidden.shape[0] == 0:
+        if hidden.shape[0] == 0:
             return
         count = min(hidden.shape[0], len(tokens))
         self.pending.append((hidden[:count], tokens[:count]))
@@ -186,7 +208,8 @@ class EagleDrafter(VocabHeadDrafter):
         positions = torch.arange(self.position + 1, self.position + 1 + count, device=device)
         mask = causal_block_mask(self.position, count, self.head.fc.weight.dtype, device)
         with torch.inference_mode():
-            features = self._run(hidden, torch.tensor(tokens, device=device), positions, mask)
+            fused = self.head.fuse(hidden.to(self.head.fc.weight.dtype))
+            features = self._run(fused, torch.tensor(tokens, device=device), positions, mask)
             self.root_feature = features[-1]
             self.root_log_probs = torch.log_softmax(self.head.draft_logits(features[-1]).float(), dim=-1)
         self.position += count

@@ -1,0 +1,182 @@
+"""`eagle3`: the EAGLE-3 head, in the standard layout that vLLM, SGLang and the speculators library load
+(`selfspec export --format speculators`, `selfspec import`, and `--heads` pointing at such a directory: speculators.py).
+
+Two things differ from EAGLE-1 (`eagle`):
+- The target features are the hidden states of a low, a middle and a high layer (hidden_states indices 2, N // 2 and
+  N - 3 by default), concatenated and projected by `fc` (3H -> H, no bias).
+- The decoder layer reads [embedding of token j, feature of position j - 1] side by side (2H wide q/k/v
+  projections), each half through its own norm (`input_layernorm`, `hidden_norm`), with the feature as the residual.
+  The head predicts no feature: its output goes through its own final `norm` into the draft LM head, and that same
+  output is the feature its next draft step reads.
+Trained with the training-time test (several draft steps unrolled on the head's own outputs) and a token loss only.
+Drafting, caching and tree growth are EAGLE's (heads/eagle.py): only the head differs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...cost import CostCurve
+from ...errors import SelfspecError
+from ...models import Target, sublayer_style
+from ..artifacts import HeadArtifact, heads_kind, load_state_strict, load_vocab_head, save_head
+from ..base import check_at_least_one, register_drafter
+from .drafter import EagleConfig, EagleDrafter, EagleFamilyHead, EagleOptions
+from .speculators import SpeculatorsEagle3, read_speculators, speculators_type, write_speculators
+
+
+@dataclass(frozen=True)
+class Eagle3Config(EagleConfig):
+    feature_noise: float = 0.0  # the training-time test stands in for EAGLE-1's input noise
+    hidden_weight: float = 0.0  # EAGLE-3 predicts no feature: must stay 0
+    token_weight: float = 1.0
+    unroll_steps: int = 3  # training: draft steps per position, the ones after the first on the head's own outputs
+    feature_layers: tuple[int, ...] = ()  # target hidden_states indices fused by fc; () = 2, N // 2, N - 3
+    norm_before_residual: bool = False  # the residual is the normalised feature (a speculators option)
+    own_lm_head: bool = False  # the head carries its own draft LM head (imported heads that trained one)
+
+
+@dataclass(frozen=True)
+class Eagle3Options(EagleOptions):
+    def __post_init__(self) -> None:
+        check_at_least_one("eagle3", self)
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layer as hidden_states indices: 2, N // 2, N - 3 (the inputs of layers 2,
+    N // 2 and N - 3, as vLLM captures them); 0, N // 2, N for models too shallow for that."""
+    if num_layers >= 6:
+        return (2, num_layers // 2, num_layers - 3)
+    return tuple(sorted({0, num_layers // 2, num_layers}))
+
+
+def resolve_eagle3_layers(config: Eagle3Config, num_layers: int) -> tuple[int, ...]:
+    layers = tuple(config.feature_layers) or eagle3_layers(num_layers)
+    if len(set(layers)) != len(layers) or not all(0 <= layer <= num_layers for layer in layers):
+        raise SelfspecError(f"eagle3: feature_layers {list(layers)} must be distinct and lie in 0 .. {num_layers}")
+    return layers
+
+
+class Eagle3Head(EagleFamilyHead):
+    """Submodule names follow the speculators layout (fc, layers.0.*, layers.0.hidden_norm, norm, lm_head), so export
+    and import are a renaming-free copy of the weights."""
+
+    def __init__(self, config: Eagle3Config, target: Target, draft_vocab: torch.Tensor):
+        super().__init__()
+        if config.hidden_weight:
+            raise SelfspecError("eagle3 predicts no feature: set hidden_weight to 0")
+        model, hidden_size = target.model, target.config.hidden_size
+        self.config = config
+        self.feature_layers = resolve_eagle3_layers(config, target.config.num_hidden_layers)
+        self.fc = torch.nn.Linear(len(self.feature_layers) * hidden_size, hidden_size, bias=False)
+        layer = type(model.model.layers[0])(target.config, layer_idx=0)  # the base's own decoder-layer class
+        self.style = sublayer_style(layer, "eagle3")
+        attention = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # they read [embedding, feature]: twice the width
+            projection = getattr(attention, name)
+            setattr(attention, name, torch.nn.Linear(2 * hidden_size, projection.out_features, bias=projection.bias is not None))
+        layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
+        self.layers = torch.nn.ModuleList([layer])
+        self.norm = copy.deepcopy(model.model.norm)  # the head's own; starts as the target's final norm
+        self.rotary = type(model.model.rotary_emb)(config=target.config)
+        self.attach_draft_vocab(model.get_output_embeddings().weight, draft_vocab)
+        self.attach_embeddings(model)
+        if config.own_lm_head:
+            self.lm_head = torch.nn.Linear(hidden_size, len(draft_vocab), bias=False)
+            self.lm_head.weight.data.copy_(self.draft_lm_weight)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features)
+
+    def forward(self, features, tokens, position_ids, attention_mask=None, cache=None) -> torch.Tensor:
+        """features [B, T, H] (fc's output for target features, the head's own output for drafted ones), tokens [B, T],
+        position_ids [B, T], additive mask [B, 1, T, K] or None (causal, only without a cache) -> output [B, T, H]."""
+        layer = self.layers[0]
+        normed = layer.hidden_norm(features)
+        residual = normed if self.config.norm_before_residual else features
+        joined = torch.cat([layer.input_layernorm(self.embed(tokens, features.dtype)), normed], dim=-1)  # [B, T, 2H]
+        attended = layer.self_attn(
+            hidden_states=joined, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+            position_embeddings=self.rotary(features, position_ids),
+        )[0]
+        if self.style == "sandwich":  # Gemma-2: norms after both sublayers too
+            hidden = residual + layer.post_attention_layernorm(attended)
+            return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        hidden = residual + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(hidden)
+        return self.lm_head(normed) if self.config.own_lm_head else super().draft_logits(normed)
+
+
+@register_drafter("eagle3", options=Eagle3Options, config=Eagle3Config, recipe="selfspec.training.eagle:train_eagle3")
+class Eagle3Drafter(EagleDrafter):
+    head_cls = Eagle3Head
+
+    @classmethod
+    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options) -> "Eagle3Drafter":
+        """A selfspec heads directory, or a speculators EAGLE-3 one (imported as it loads)."""
+        if heads_dir is None or speculators_type(heads_dir) is None:
+            return super().load(target, heads_dir, cost_curve, options)
+        artifact = imported_artifact(target, Path(heads_dir))
+        head = build_head(artifact, target, Path(heads_dir))
+        drafter = cls(target, cost_curve, head.to(target.dtype), options)
+        drafter.heldout_tau = None
+        return drafter
+
+
+def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
+    """A speculators EAGLE-3 directory -> the eagle3 head artifact for `target` (fingerprinted to it: checked here)."""
+    content = read_speculators(directory, target)
+    config = Eagle3Config(draft_vocab_size=len(content.draft_vocab), feature_layers=content.feature_layers,
+                          norm_before_residual=content.norm_before_residual, own_lm_head=content.own_lm_head)
+    layers = resolve_eagle3_layers(config, target.config.num_hidden_layers)
+    config = Eagle3Config(**{**config.__dict__, "feature_layers": layers})
+    state = {**content.state, "draft_vocab": content.draft_vocab}
+    return HeadArtifact("eagle3", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier})
+
+
+def build_head(artifact: HeadArtifact, target: Target, where: Path) -> Eagle3Head:
+    head = Eagle3Head(artifact.config, target, artifact.state["draft_vocab"])
+    load_state_strict(head, artifact.state, where)
+    return head
+
+
+def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtype: str = "bfloat16") -> Path:
+    """`selfspec export --format speculators`: eagle3 heads (selfspec's or speculators') -> a speculators directory."""
+    heads_dir = Path(heads_dir)
+    if not heads_dir.is_dir():
+        raise SelfspecError(f"heads directory '{heads_dir}' does not exist")
+    kind = heads_kind(heads_dir)
+    if kind != "eagle3":
+        why = {"dflash": "; speculators' dflash drafter is another network (Qwen3 layers and a mask token where "
+                         "selfspec's uses the base's own layers and a learned mask embedding)",
+               "eagle": "; `eagle` is EAGLE-1, which speculators does not define: train `eagle3`"}.get(kind or "", "")
+        raise SelfspecError(f"'{heads_dir}' holds {kind or 'no'} heads: only eagle3 heads export to the speculators format{why}")
+    if speculators_type(heads_dir) is None:
+        head = load_vocab_head(target, heads_dir, "eagle3", Eagle3Config, Eagle3Head).head.float()
+    else:
+        head = build_head(imported_artifact(target, heads_dir), target, heads_dir)
+    state = {name: tensor for name, tensor in head.state_dict().items() if name != "draft_vocab"}
+    if not head.config.own_lm_head:
+        state["lm_head.weight"] = head.draft_lm_weight
+    content = SpeculatorsEagle3(state, head.draft_vocab, head.feature_layers, head.config.norm_before_residual,
+                                head.config.own_lm_head, verifier)
+    return write_speculators(Path(out), target, content, head.config.depth, dtype)
+
+
+def import_heads(target: Target, source: Path, out: Path) -> Path:
+    """`selfspec import`: a speculators EAGLE-3 directory -> an eagle3 heads directory fingerprinted to `target`."""
+    source = Path(source)
+    if not (source / "config.json").is_file():
+        raise SelfspecError(f"'{source}' has no config.json: pass a speculators EAGLE-3 directory")
+    if speculators_type(source) is None:
+        raise SelfspecError(f"'{source}' is not a speculators directory (its config.json has no speculators_model_type)")
+    artifact = imported_artifact(target, source)
+    build_head(artifact, target, source)  # strict: every weight present, every shape right
+    return save_head(Path(out), "eagle3", artifact.config, artifact.state, artifact.fingerprint, artifact.extra)
