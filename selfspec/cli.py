@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--seed", type=int, default=0)
     _add_pace_arg(bench)
-    bench.add_argument("--heads", default=None, help="heads directory for drafters that have trained parts")
+    bench.add_argument("--heads", default=None, help="heads directory: goes to the drafter of its kind (and to auto); "
+                       "other drafters use the shipped heads")
     bench.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and charts")
     bench.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 16 new tokens")
 
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--max-nodes", type=_positive_int, default=64, help="tree candidates to rank (the budget is chosen at run time)")
 
     export = commands.add_parser("export", help="write eagle3 heads in another library's format (speculators: vLLM loads it)")
-    _add_model_args(export)
+    export.add_argument("--model", default="default", help="the base model the heads are for (checked against them)")
     export.add_argument("--heads", required=True, help="the eagle3 heads directory to export")
     export.add_argument("--format", required=True, choices=["speculators"], help="the format to write")
     export.add_argument("--verifier", default=None, help="the target's name recorded for the server to load (default: the "
@@ -135,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--weights-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     export.add_argument("out", help="the directory to write")
     imports = commands.add_parser("import", help="turn a speculators EAGLE-3 directory into eagle3 heads checked against the model")
-    _add_model_args(imports)
+    imports.add_argument("--model", default="default", help="the base model to check the heads against")
     imports.add_argument("source", help="the speculators directory (config.json + model.safetensors)")
     imports.add_argument("out", help="the heads directory to write")
 
@@ -341,10 +342,12 @@ def _medusa_tree(args) -> None:
 def _export(args) -> None:
     from pathlib import Path
 
+    import torch
+
     from .heads.eagle import export_heads
     from .models import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID, load_target
 
-    target = load_target(args.model, device="cpu", dtype=_dtype(args.dtype), kernels="stock")
+    target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")  # weights are copied, not run
     verifier = args.verifier or (DEFAULT_MODEL_HUB_ID if args.model == DEFAULT_MODEL else str(Path(args.model).resolve()))
     out = export_heads(target, Path(args.heads), Path(args.out), verifier, args.weights_dtype)
     print(f"speculators EAGLE-3 head written to {out} (verifier {verifier})")
@@ -353,10 +356,12 @@ def _export(args) -> None:
 def _import(args) -> None:
     from pathlib import Path
 
+    import torch
+
     from .heads.eagle import import_heads
     from .models import load_target
 
-    target = load_target(args.model, device="cpu", dtype=_dtype(args.dtype), kernels="stock")
+    target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")
     out = import_heads(target, Path(args.source), Path(args.out))
     print(f"eagle3 heads written to {out}: use --drafter eagle3 --heads {out}")
 

@@ -33,3 +33,18 @@ def test_bench_rejects_unknown_names(capsys):
     assert "unknown drafter 'medusaa'" in capsys.readouterr().err
     assert main(["bench", "--quick", "--datasets", "gsm8k"]) == 2
     assert "unknown dataset 'gsm8k'" in capsys.readouterr().err
+
+
+def test_bench_heads_go_to_the_drafters_of_their_kind(tmp_path):
+    from selfspec.bench.runner import BenchSettings, build_methods
+    from selfspec.errors import SelfspecError
+
+    from .helpers import make_tiny_target, random_eagle3_dir, random_eagle_dir
+
+    target = make_tiny_target("llama")
+    heads = random_eagle3_dir(target, tmp_path / "eagle3")
+    methods = build_methods(target, ["ngram", "eagle3", "auto:sources=ngram+eagle3"], [], BenchSettings(), heads)
+    assert {"hf", "none", "ngram", "eagle3", "auto:sources=ngram+eagle3"} == set(methods)
+    # An EAGLE-1 directory is not handed to eagle3, which then looks for heads shipped for this model: there are none.
+    with pytest.raises(SelfspecError, match="no shipped 'eagle3' heads match this model"):
+        build_methods(target, ["eagle3"], [], BenchSettings(), random_eagle_dir(target, tmp_path / "eagle"))

@@ -110,6 +110,12 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys):
         mistral = make_tiny_target("mistral")
         export_heads(mistral, random_eagle3_dir(mistral, tmp_path / "mistral"), tmp_path / "out", "v")
     state = load_file(str(exported / "model.safetensors"))
+    embeddings = state["embed_tokens.weight"].clone()
+    state["embed_tokens.weight"] = embeddings.flip(0)  # another model's embeddings
+    save_file(state, str(exported / "model.safetensors"))
+    with pytest.raises(SelfspecError, match="carries embeddings that are not this model's"):
+        import_heads(target, exported, tmp_path / "out")
+    state["embed_tokens.weight"] = embeddings
     state["d2t"][0] = 10_000
     save_file(state, str(exported / "model.safetensors"))
     with pytest.raises(SelfspecError, match="d2t and t2d do not describe a draft vocabulary"):

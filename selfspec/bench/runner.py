@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..decoding import speculative_generate
 from ..heads import create_drafter, parse_drafter_options
+from ..heads.artifacts import heads_kind
 from ..models import Target
 from ..sampling import SamplingConfig
 from .metrics import RunRecord
@@ -109,11 +110,15 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
 
 
 def build_methods(target: Target, drafters: list[str], peers: list[str], settings: BenchSettings, heads: Path | None = None) -> dict[str, Method]:
-    """The baseline `hf`, then `none` (always: speed-ups are also reported against it), the drafters, the peers."""
+    """The baseline `hf`, then `none` (always: speed-ups are also reported against it), the drafters, the peers.
+    `heads` goes to the drafters of its kind and to composite ones (auto hands it to its source of that kind); the
+    other drafters with trained parts read the heads shipped for the target."""
     methods: dict[str, Method] = {"hf": _hf_method(target, settings)}
+    kind = heads_kind(heads) if heads is not None else None
     for spec in ["none"] + [d for d in drafters if d != "none"]:
         entry, _ = parse_drafter_options(spec)
-        methods[spec] = _selfspec_method(target, spec, settings, heads if entry.has_artifacts else None)
+        takes_heads = entry.composite or (entry.has_artifacts and kind in (None, entry.name))
+        methods[spec] = _selfspec_method(target, spec, settings, heads if takes_heads else None)
     for peer in peers:
         if peer == "hf_prompt_lookup":
             methods[peer] = _hf_method(target, settings, prompt_lookup_num_tokens=settings.prompt_lookup_tokens)
