@@ -24,12 +24,12 @@ from selfspec.bench.prompts import load_prompt_set
 from selfspec.decoding import speculative_generate
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import save_head
-from selfspec.heads.eagle import EagleHead
+from selfspec.heads.eagle import EagleFamilyHead, EagleHead
 from selfspec.models import load_target
 from selfspec.training.config import load_recipe
 from selfspec.training.eagle import EagleTraining
 from selfspec.training.losses import draft_vocabulary
-from selfspec.training.pipeline import recipe_data
+from selfspec.training.stages import recipe_data
 from selfspec.training.trainer import train
 
 DEPTHS = 3
@@ -53,14 +53,16 @@ def eval_set(target, out: Path, per_set: int, new_tokens: int) -> dict[str, list
     return sets
 
 
-def chain_accuracy(target, head: EagleHead, config, rows) -> list[float]:
-    """P(drafts 1..d all equal the target's greedy tokens), d = 1..DEPTHS, over the continuation positions."""
+def chain_accuracy(target, head: EagleFamilyHead, config, rows) -> list[float]:
+    """P(drafts 1..d all equal the target's greedy tokens), d = 1..DEPTHS, over the continuation positions (an EAGLE
+    or an EAGLE-3 head: the features are whichever layers the head reads)."""
     unroller = EagleTraining(head, config).eval()
     hits, total = torch.zeros(DEPTHS), 0
     with torch.inference_mode():
         for sequence, prompt_length in rows:
             outputs = target.model(input_ids=sequence.view(1, -1).to(target.device), output_hidden_states=True)
-            features = outputs.hidden_states[-1][0, :-1].float()  # row t: feature t
+            hidden = {layer: outputs.hidden_states[layer][0, :-1].float() for layer in head.feature_layers}
+            features = head.fuse(head.gather_features(hidden))  # row t: feature t
             greedy = outputs.logits[0].argmax(-1).cpu()  # greedy[i]: the target's token after position i
             ids = sequence.view(1, -1)
             correct = []

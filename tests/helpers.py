@@ -328,26 +328,25 @@ def random_medusa_dir(target, directory, num_heads=3, draft_vocab=None, seed=0, 
     return save_head(directory, "medusa", config, heads.state_dict(), target.fingerprint, {"tree": tree})
 
 
-def random_eagle_dir(target, directory, draft_vocab=None, seed=0, **config):
-    config = EagleConfig(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
+def _random_eagle_family_head(head_cls, config_cls, target, draft_vocab, seed, config, norms: bool):
+    config = config_cls(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
     torch.manual_seed(seed)
-    head = EagleHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
+    head = head_cls(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
     for name, parameter in head.named_parameters():
         if parameter.dim() > 1:
             torch.nn.init.normal_(parameter, std=0.3)
-    return save_head(directory, "eagle", config, head.state_dict(), target.fingerprint, {})
+        elif norms:  # so a mix-up of EAGLE-3's two input norms or of its final norm shows
+            torch.nn.init.uniform_(parameter, 0.5, 1.5)
+    return head
+
+
+def random_eagle_dir(target, directory, draft_vocab=None, seed=0, **config):
+    head = _random_eagle_family_head(EagleHead, EagleConfig, target, draft_vocab, seed, config, norms=False)
+    return save_head(directory, "eagle", head.config, head.state_dict(), target.fingerprint, {})
 
 
 def random_eagle3_head(target, draft_vocab=None, seed=0, **config) -> Eagle3Head:
-    config = Eagle3Config(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
-    torch.manual_seed(seed)
-    head = Eagle3Head(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
-    for name, parameter in head.named_parameters():
-        if parameter.dim() > 1:
-            torch.nn.init.normal_(parameter, std=0.3)
-        else:  # norms too, so a mix-up of the two input norms or of the final norm shows
-            torch.nn.init.uniform_(parameter, 0.5, 1.5)
-    return head
+    return _random_eagle_family_head(Eagle3Head, Eagle3Config, target, draft_vocab, seed, config, norms=True)
 
 
 def random_eagle3_dir(target, directory, draft_vocab=None, seed=0, **config):
