@@ -66,6 +66,8 @@ class EagleFamilyHead(ReducedVocabHead):
 
     def gather_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's hidden states (layer -> [..., H]) -> the head's input features [..., F]."""
+        if len(self.feature_layers) == 1:  # EAGLE-1: no copy on the per-step path
+            return hidden[self.feature_layers[0]]
         return torch.cat([hidden[layer] for layer in self.feature_layers], dim=-1)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
