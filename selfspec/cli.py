@@ -127,15 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--conversations", type=_positive_int, default=100)
     tree.add_argument("--max-nodes", type=_positive_int, default=64, help="tree candidates to rank (the budget is chosen at run time)")
 
-    export = commands.add_parser("export", help="write eagle3 heads in another library's format (speculators: vLLM loads it)")
+    export = commands.add_parser("export", help="write eagle3 or dflash heads in another library's format (speculators: vLLM loads it)")
     export.add_argument("--model", default="default", help="the base model the heads are for (checked against them)")
-    export.add_argument("--heads", required=True, help="the eagle3 heads directory to export")
+    export.add_argument("--heads", required=True, help="the eagle3 or dflash heads directory to export")
     export.add_argument("--format", required=True, choices=["speculators"], help="the format to write")
     export.add_argument("--verifier", default=None, help="the target's name recorded for the server to load (default: the "
                         "hub id of the default model, else --model)")
     export.add_argument("--weights-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     export.add_argument("out", help="the directory to write")
-    imports = commands.add_parser("import", help="turn a speculators EAGLE-3 directory into eagle3 heads checked against the model")
+    imports = commands.add_parser("import", help="turn a speculators EAGLE-3 or DFlash directory into heads checked against the model")
     imports.add_argument("--model", default="default", help="the base model to check the heads against")
     imports.add_argument("source", help="the speculators directory (config.json + model.safetensors)")
     imports.add_argument("out", help="the heads directory to write")
@@ -344,13 +344,15 @@ def _export(args) -> None:
 
     import torch
 
-    from .heads.eagle import export_heads
+    from .exchange import export_heads, exportable_kind
+    from .heads.speculators import speculators_type
     from .models import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID, load_target
 
+    exportable_kind(Path(args.heads))  # bad input fails before the model loads
     target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")  # weights are copied, not run
     verifier = args.verifier or (DEFAULT_MODEL_HUB_ID if args.model == DEFAULT_MODEL else str(Path(args.model).resolve()))
     out = export_heads(target, Path(args.heads), Path(args.out), verifier, args.weights_dtype)
-    print(f"speculators EAGLE-3 head written to {out} (verifier {verifier})")
+    print(f"speculators {speculators_type(out)} drafter written to {out} (verifier {verifier})")
 
 
 def _import(args) -> None:
@@ -358,12 +360,13 @@ def _import(args) -> None:
 
     import torch
 
-    from .heads.eagle import import_heads
+    from .exchange import import_heads, importable_kind
     from .models import load_target
 
+    importable_kind(Path(args.source))  # bad input fails before the model loads
     target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")
-    out = import_heads(target, Path(args.source), Path(args.out))
-    print(f"eagle3 heads written to {out}: use --drafter eagle3 --heads {out}")
+    drafter, out = import_heads(target, Path(args.source), Path(args.out))
+    print(f"{drafter} heads written to {out}: use --drafter {drafter} --heads {out}")
 
 
 def _drafters(args) -> None:

@@ -355,15 +355,23 @@ def random_eagle3_dir(target, directory, draft_vocab=None, seed=0, **config):
     return save_head(directory, "eagle3", config, head.state_dict(), target.fingerprint, {})
 
 
-def random_dflash_dir(target, directory, draft_vocab=None, seed=0, **config):
+def random_dflash_head(target, draft_vocab=None, seed=0, **config):
+    """A DFlash head with random weights (norms included, so a round trip that dropped one would show)."""
     config = DFlashConfig(**{"block_size": 4, "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
-                             "top_k": 3, "max_tree_nodes": 10, **config})
+                             "top_k": 3, "max_tree_nodes": 10, "mask_token_id": target.vocab_size - 1, **config})
     torch.manual_seed(seed)
     head = DFlashHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
     for name, parameter in head.named_parameters():
         if parameter.dim() > 1:
             torch.nn.init.normal_(parameter, std=0.3)
-    config = DFlashConfig(**{**config.__dict__, "feature_layers": head.feature_layers})
+        else:
+            torch.nn.init.normal_(parameter, mean=1.0, std=0.1)
+    return head
+
+
+def random_dflash_dir(target, directory, draft_vocab=None, seed=0, **config):
+    head = random_dflash_head(target, draft_vocab, seed, **config)
+    config = DFlashConfig(**{**head.config.__dict__, "feature_layers": head.feature_layers})
     return save_head(directory, "dflash", config, head.state_dict(), target.fingerprint, {})
 
 

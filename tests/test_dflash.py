@@ -1,6 +1,6 @@
 """DFlash: block construction and masks, the tree from block marginals on hand-made distributions, training seeing
-what drafting sees, save/load and the wrong-base error, and losslessness (greedy equality, chi-square) with DFlash
-trees."""
+what drafting sees, the start from the target's layers, the mask token, save/load and the wrong-base error
+(losslessness with DFlash trees: the drafter contract suite; the speculators format: test_speculators.py)."""
 
 from __future__ import annotations
 
@@ -11,31 +11,19 @@ import torch
 
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.heads.dflash import DFlashConfig, DFlashHead, block_mask, block_tree, spread_layers
-from selfspec.training.dflash import DFlashTraining, sample_anchors, training_mask
+from selfspec.heads.dflash import DFlashConfig, DFlashHead, block_tree, training_mask
+from selfspec.training.dflash import DFlashTraining, rarest_token, sample_anchors
 
-from .helpers import PROMPT, tiny_recipe, make_tiny_target, random_dflash_dir
+from .helpers import PROMPT, tiny_recipe, make_tiny_target, random_dflash_dir, random_dflash_head
 
 
 def visible(mask):
     return (mask[0, 0] == 0).int().tolist()
 
 
-def test_spread_layers_and_masks():
-    assert spread_layers(30) == (8, 15, 22, 30) and spread_layers(2) == (1, 2)
-    # 1 cached context row, 2 new context rows, a block of 3: context rows causal, block rows see everything.
-    assert visible(block_mask(1, 2, 3, torch.float32, "cpu")) == [
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 1],
-    ]
-    # Training: 3 context rows, blocks of 2 anchored at 1 and 2: block j sees context rows < anchor j and itself.
+def test_training_mask_and_anchors():
+    # 3 context rows, blocks of 2 anchored at 1 and 2: block j's rows see the context rows < anchor j and block j.
     assert visible(training_mask(torch.tensor([[1, 2]]), 3, 2, torch.float32)) == [
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0],
         [1, 0, 0, 1, 1, 0, 0],
         [1, 0, 0, 1, 1, 0, 0],
         [1, 1, 0, 0, 0, 1, 1],
@@ -63,45 +51,61 @@ def test_block_tree_is_best_first_over_marginals():
     assert block_tree(marginals[:0], 2, 6, lambda scores: 6) == ([], [])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_training_blocks_see_what_drafting_sees(family, tmp_path):
-    """A training block anchored at a equals the drafter's block for root token a after committing tokens 0..a-1."""
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_training_blocks_see_what_drafting_sees(family):
+    """A training block anchored at a equals the drafter's block for root token a after committing tokens 0..a-1,
+    with the context rows reaching the drafter's cache in two pieces and an earlier block cropped off."""
+    from transformers import DynamicCache
+
+    from selfspec.tree_attention import trim_cache
+
     target = make_tiny_target(family, num_hidden_layers=3)
-    config = DFlashConfig(block_size=4, draft_vocab_size=0, anchors_per_sequence=2, loss_decay=1.0)
-    head = DFlashHead(config, target, torch.arange(target.vocab_size))
-    for parameter in head.parameters():
-        torch.nn.init.normal_(parameter, std=0.2)
+    head = random_dflash_head(target, num_layers=2).eval()
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
         hidden = target.model(ids, output_hidden_states=True).hidden_states
-    features = torch.cat([hidden[layer][0] for layer in head.feature_layers], -1)
-    anchor = 6
-    # Training view: context = all rows, block anchored at `anchor`.
-    length = ids.shape[1]
-    inputs = head.block_inputs(ids[0, [anchor]]).view(1, 4, -1)
-    positions = torch.cat([torch.arange(length), anchor + torch.arange(4)]).view(1, -1)
+    features = torch.cat([hidden[layer] for layer in head.feature_layers], -1)
+    anchors = torch.tensor([[6, 2, 9]])
     with torch.no_grad():
-        trained = head(head.context(features).unsqueeze(0), inputs, positions, training_mask(torch.tensor([[anchor]]), length, 4, torch.float32))
-        # Drafting view: context rows 0..anchor-1 cached in two pieces, then the block.
-        from transformers import DynamicCache
-
+        trained = head.blocks(features, ids, anchors)  # [1, 3, B, H]
         cache = DynamicCache()
-        head(head.context(features[:3]).unsqueeze(0), inputs, torch.cat([torch.arange(3), 3 + torch.arange(4)]).view(1, -1),
-             block_mask(0, 3, 4, torch.float32, "cpu"), cache)
-        from selfspec.tree_attention import trim_cache
+        first = head(head.context(features[:, :2]), head.block_inputs(ids[0, [2]]), torch.arange(0, 2 + 4).view(1, -1), None, cache)
+        trim_cache(cache, 2)
+        drafted = head(head.context(features[:, 2:6]), head.block_inputs(ids[0, [6]]), torch.arange(2, 6 + 4).view(1, -1), None, cache)
+    torch.testing.assert_close(trained[0, 1], first[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(trained[0, 0], drafted[0], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(trained[0, 0], trained[0, 2], atol=1e-3)  # another anchor, another block
 
-        trim_cache(cache, 3)
-        drafted = head(head.context(features[3:anchor]).unsqueeze(0), inputs,
-                       torch.cat([torch.arange(3, anchor), anchor + torch.arange(4)]).view(1, -1),
-                       block_mask(3, anchor - 3, 4, torch.float32, "cpu"), cache)
-    torch.testing.assert_close(trained, drafted, atol=1e-5, rtol=1e-4)
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_drafter_starts_from_the_target_top_layers(family):
+    target = make_tiny_target(family, num_hidden_layers=3)
+    head = DFlashHead(DFlashConfig(num_layers=2, mask_token_id=0, draft_vocab_size=0), target, torch.arange(target.vocab_size))
+    head.init_from_target(target)
+    top = target.model.model.layers
+    for own, source in zip(head.layers, top[1:]):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            assert torch.equal(own.get_submodule(name).weight, source.get_submodule(name).weight)
+        torch.testing.assert_close(own.input_layernorm.weight, source.input_layernorm.weight, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.norm.weight, target.model.model.norm.weight, atol=1e-5, rtol=1e-5)
+    blocks = head.block_inputs(torch.tensor([5, 7]))  # [2, B, H]: the anchor, then the mask token's embedding
+    embeddings = target.model.get_input_embeddings().weight
+    assert torch.equal(blocks[1, 0], embeddings[7]) and torch.equal(blocks[0, 3], embeddings[0])
+
+
+def test_the_mask_token_is_the_rarest_in_the_data():
+    from types import SimpleNamespace
+
+    sequences = [SimpleNamespace(input_ids=torch.tensor([0, 1, 2, 4, 4])), SimpleNamespace(input_ids=torch.tensor([0, 2, 3, 1]))]
+    assert rarest_token(sequences, 6) == 5  # never used
+    assert rarest_token(sequences, 5) == 3  # used once, every other token twice
 
 
 def test_wrong_base_round_trip_and_drafter(tmp_path):
     target = make_tiny_target("llama", num_hidden_layers=3)
     directory = random_dflash_dir(target, tmp_path / "d", draft_vocab=torch.arange(0, target.vocab_size, 2))
     drafter = create_drafter("dflash", target, directory)
-    assert drafter.hidden_layers == (1, 2, 3) and len(drafter.head.draft_vocab) == target.vocab_size // 2
+    assert drafter.hidden_layers == (0, 1, 3) and len(drafter.head.draft_vocab) == target.vocab_size // 2
     with pytest.raises(SelfspecError, match="trained for another base model"):
         create_drafter("dflash", make_tiny_target("llama", num_hidden_layers=2), directory)
     with pytest.raises(SelfspecError, match="'dflash' heads, not 'eagle'"):
@@ -128,7 +132,7 @@ def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     from .conftest import WORDS
 
     target = load_target(str(tiny_checkpoint))
-    config = DFlashConfig(block_size=4, draft_vocab_size=0, anchors_per_sequence=4)
+    config = DFlashConfig(block_size=4, draft_vocab_size=0, anchors_per_sequence=4, mask_token_id=0)
     head = DFlashHead(config, target, torch.arange(target.vocab_size))
     head.init_from_target(target)
     rng = random.Random(1)
@@ -153,7 +157,8 @@ def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="dflash", out=str(tmp_path / "dflash"),
                          dflash=DFlashConfig(block_size=4, draft_vocab_size=16, top_k=2))
     report = run_recipe(recipe)
-    assert report["drafter"] == "dflash" and report["steps"] == 12 and report["feature_layers"] == [1, 2]
+    assert report["drafter"] == "dflash" and report["steps"] == 12 and report["feature_layers"] == [0, 1, 2]
     saved = json.loads((tmp_path / "dflash" / "config.json").read_text())
-    assert saved["drafter"] == "dflash" and saved["config"]["feature_layers"] == [1, 2]
-    assert create_drafter("dflash", target, tmp_path / "dflash").hidden_layers == (1, 2)
+    assert saved["drafter"] == "dflash" and saved["config"]["feature_layers"] == [0, 1, 2]
+    assert 0 <= saved["config"]["mask_token_id"] < target.vocab_size  # -1 in the recipe: resolved from the data
+    assert create_drafter("dflash", target, tmp_path / "dflash").hidden_layers == (0, 1, 2)

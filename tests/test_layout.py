@@ -9,7 +9,8 @@ from pathlib import Path
 import selfspec
 
 PACKAGE = Path(selfspec.__file__).parent
-SHARED_HEAD_MODULES = {"selfspec.heads", "selfspec.heads.base", "selfspec.heads.artifacts", "selfspec.heads.vocab"}
+SHARED_HEAD_MODULES = {"selfspec.heads", "selfspec.heads.base", "selfspec.heads.artifacts", "selfspec.heads.vocab",
+                       "selfspec.heads.speculators"}
 
 
 def module_name(path: Path) -> str:

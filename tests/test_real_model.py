@@ -50,7 +50,9 @@ def test_shipped_heads_greedy_match_hf_generate(specs, drafter):
 
     ngram, _ = specs
     shipped = SHIPPED_DIR / f"{drafter}-smollm2"
-    assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < 30 * 2**20
+    # Every retrained head adds its size to each clone's history: the largest (DFlash, two decoder layers in float32)
+    # is ~31 MiB.
+    assert sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file()) < 40 * 2**20
     assert SelfSpec(ngram.target, drafter=drafter).drafter.target is ngram.target  # found with no flags
     # A fixed budget: the default size follows this machine's stored cost curve, which varies.
     options, floor = SHIPPED[drafter]

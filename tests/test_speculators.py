@@ -1,6 +1,6 @@
-"""EAGLE-3 heads in the speculators format (what vLLM loads): export -> import round trips give identical drafts, and
-the speculators package's own classes load our export and compute the same forward (run in a venv of their own,
-`make speculators`, since speculators pins an older transformers than selfspec's)."""
+"""EAGLE-3 and DFlash drafters in the speculators format (what vLLM loads): export -> import round trips give
+identical drafts, and the speculators package's own classes load our export and compute the same forward (run in a
+venv of their own, `make speculators`, since speculators pins an older transformers than selfspec's)."""
 
 from __future__ import annotations
 
@@ -18,25 +18,40 @@ from selfspec.cli import main as cli_main
 from selfspec.errors import SelfspecError
 from selfspec.heads.artifacts import save_head
 from selfspec.heads import create_drafter
-from selfspec.heads.eagle import export_heads, import_heads
+from selfspec.exchange import export_heads
+from selfspec.exchange import import_heads as import_any
 from selfspec.training.eagle import EagleTraining
 
-from .helpers import FLAT, PROMPT, make_tiny_target, random_eagle3_dir, random_eagle3_head, random_eagle_dir
+from .helpers import (
+    FLAT,
+    PROMPT,
+    make_tiny_target,
+    random_dflash_dir,
+    random_dflash_head,
+    random_eagle3_dir,
+    random_eagle3_head,
+    random_eagle_dir,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_PYTHON = Path(os.environ.get("SELFSPEC_SPECULATORS_PYTHON", ROOT / ".speculators-venv" / "bin" / "python"))
-OPTIONS = {"top_k": 3, "depth": 3, "fixed_nodes": 8}  # the speculators format carries no tree options: the same for both
+# The speculators format carries no tree options: the same for both sides.
+OPTIONS = {"eagle3": {"top_k": 3, "depth": 3, "fixed_nodes": 8}, "dflash": {"top_k": 3, "fixed_nodes": 8}}
+
+
+def import_heads(target, source, out):
+    return import_any(target, source, out)[1]
 
 
 def _half(target):
     return torch.arange(0, target.vocab_size, 2)
 
 
-def _drafts(target, heads, steps: int = 4) -> list[tuple[list[int], list[int]]]:
+def _drafts(target, heads, steps: int = 4, drafter: str = "eagle3") -> list[tuple[list[int], list[int]]]:
     """The trees a drafter proposes along one greedy decode (what the target accepts moves it along)."""
     from selfspec.decoding import speculative_generate
 
-    drafter = create_drafter("eagle3", target, heads, **OPTIONS)
+    drafter = create_drafter(drafter, target, heads, **OPTIONS[drafter])
     drafter.cost_curve = FLAT
     trees = []
     original = drafter.propose
@@ -95,7 +110,7 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys):
     target = make_tiny_target("llama")
     with pytest.raises(SelfspecError, match="does not exist"):
         export_heads(target, tmp_path / "missing", tmp_path / "out", "v")
-    with pytest.raises(SelfspecError, match="only eagle3 heads export .* EAGLE-1"):
+    with pytest.raises(SelfspecError, match="only eagle3 and dflash heads export .* EAGLE-1"):
         export_heads(target, random_eagle_dir(target, tmp_path / "eagle1"), tmp_path / "out", "v")
     with pytest.raises(SelfspecError, match="not a speculators directory"):
         import_heads(target, random_eagle3_dir(target, tmp_path / "ours"), tmp_path / "out")
@@ -121,8 +136,8 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SelfspecError, match="d2t and t2d do not describe a draft vocabulary"):
         import_heads(target, exported, tmp_path / "out")
     document = json.loads((exported / "config.json").read_text())
-    (exported / "config.json").write_text(json.dumps({**document, "speculators_model_type": "dflash"}))
-    with pytest.raises(SelfspecError, match="speculators 'dflash' drafter: selfspec imports speculators eagle3 heads only"):
+    (exported / "config.json").write_text(json.dumps({**document, "speculators_model_type": "dspark"}))
+    with pytest.raises(SelfspecError, match="speculators 'dspark' drafter: selfspec imports eagle3 and dflash only"):
         import_heads(target, exported, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written
     for argv, message in [
@@ -143,6 +158,16 @@ def _side_environment() -> Path:
     return SIDE_PYTHON
 
 
+def _run_side_script(python: Path, tmp_path: Path) -> dict:
+    """tests/speculators_forward.py on tmp_path/export and tmp_path/inputs.pt -> what it wrote (resaved: tmp_path/resaved)."""
+    script = Path(__file__).with_name("speculators_forward.py")
+    args = [str(python), str(script), str(tmp_path / "export"), str(tmp_path / "inputs.pt"), str(tmp_path / "theirs.pt"),
+            str(tmp_path / "resaved")]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    return torch.load(tmp_path / "theirs.pt")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_speculators_own_classes_load_our_export_and_agree(tmp_path, family):
     """speculators' Eagle3DraftModel loads the export (the verifier: the tiny target saved as a checkpoint), runs its
@@ -160,12 +185,7 @@ def test_speculators_own_classes_load_our_export_and_agree(tmp_path, family):
     features = torch.randn(1, rows, len(head.feature_layers) * target.config.hidden_size)
     input_ids = torch.randint(3, target.vocab_size, (1, rows + 1))
     torch.save({"hidden_states": features, "input_ids": input_ids[:, 1:], "steps": steps}, tmp_path / "inputs.pt")
-    script = Path(__file__).with_name("speculators_forward.py")
-    args = [str(python), str(script), str(tmp_path / "export"), str(tmp_path / "inputs.pt"), str(tmp_path / "theirs.pt"),
-            str(tmp_path / "resaved")]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = torch.load(tmp_path / "theirs.pt")
+    theirs = _run_side_script(python, tmp_path)
     assert theirs["unexpected"] == [] and theirs["nan"] == []  # every stored weight used, none left unloaded
     assert theirs["not_stored"] == ["verifier_lm_head.weight", "verifier_norm.weight"]  # training-only copies
     assert theirs["layer_ids"] == list(head.feature_layers)
@@ -176,3 +196,73 @@ def test_speculators_own_classes_load_our_export_and_agree(tmp_path, family):
         valid = rows - step  # later steps' last rows run past the sequence (padding), in both implementations
         torch.testing.assert_close(theirs["logits"][step][:valid], ours[step][:valid], atol=1e-4, rtol=1e-4)
     assert _drafts(target, tmp_path / "resaved") == _drafts(target, tmp_path / "export")
+
+
+def test_dflash_export_then_import_gives_identical_drafts(tmp_path):
+    target = make_tiny_target("llama")
+    heads = random_dflash_dir(target, tmp_path / "heads", draft_vocab=_half(target), num_layers=2)
+    exported = export_heads(target, heads, tmp_path / "export", "tiny-verifier", "float32")
+    document = json.loads((exported / "config.json").read_text())
+    assert document["speculators_model_type"] == "dflash" and document["architectures"] == ["DFlashSpeculator"]
+    assert document["block_size"] == 4 and document["mask_token_id"] == target.vocab_size - 1
+    assert document["aux_hidden_state_layer_ids"] == [0, 1, 2] and document["sample_from_anchor"] is False
+    layer = document["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["hidden_size"] == target.config.hidden_size
+    assert document["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    state = load_file(str(exported / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight", "norm.weight", "lm_head.weight"} <= set(state)
+    imported = import_heads(target, exported, tmp_path / "imported")
+    reference = _drafts(target, heads, drafter="dflash")
+    assert any(len(tokens) > 1 for tokens, _ in reference)
+    assert _drafts(target, exported, drafter="dflash") == reference  # --heads pointing at the speculators directory
+    assert _drafts(target, imported, drafter="dflash") == reference
+    assert _drafts(target, export_heads(target, imported, tmp_path / "again", "v", "float32"), drafter="dflash") == reference
+
+
+def test_dflash_directories_selfspec_cannot_run_are_refused(tmp_path):
+    target = make_tiny_target("qwen3")
+    exported = export_heads(target, random_dflash_dir(target, tmp_path / "heads"), tmp_path / "export", "v", "float32")
+    document = json.loads((exported / "config.json").read_text())
+    cases = [
+        ({**document, "sample_from_anchor": True}, "drafts from the anchor position too"),
+        ({**document, "mask_token_id": None}, "has no mask_token_id"),
+        ({**document, "transformer_layer_config": {**document["transformer_layer_config"], "intermediate_size": 7}},
+         "made for another base model: intermediate_size 7"),
+        ({**document, "transformer_layer_config": {**document["transformer_layer_config"], "num_hidden_layers": 12}},
+         "has 12 draft layers"),
+    ]
+    for changed, message in cases:
+        (exported / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(SelfspecError, match=message):
+            import_heads(target, exported, tmp_path / "out")
+        with pytest.raises(SelfspecError, match=message):
+            create_drafter("dflash", target, exported)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_speculators_own_classes_load_our_dflash_export_and_agree(tmp_path, family):
+    """speculators' DFlashDraftModel loads the DFlash export and runs its anchored-block forward (the one it trains
+    with) on random blocks; for the anchors it drew, its logits at every block position equal ours; what it saves
+    again imports back into the same drafts."""
+    python = _side_environment()
+    target = make_tiny_target(family)
+    head = random_dflash_head(target, draft_vocab=_half(target), num_layers=2).eval()
+    target.model.save_pretrained(tmp_path / "verifier")
+    heads = save_head(tmp_path / "heads", "dflash", replace(head.config, feature_layers=head.feature_layers),
+                      head.state_dict(), target.fingerprint)
+    export_heads(target, heads, tmp_path / "export", str(tmp_path / "verifier"), "float32")
+    rows, anchors = 48, 6
+    torch.manual_seed(1)
+    features = torch.randn(1, rows, len(head.feature_layers) * target.config.hidden_size)
+    input_ids = torch.randint(3, target.vocab_size, (1, rows))
+    torch.save({"hidden_states": features, "input_ids": input_ids, "anchors": anchors}, tmp_path / "inputs.pt")
+    theirs = _run_side_script(python, tmp_path)
+    assert theirs["unexpected"] == [] and theirs["nan"] == []
+    assert theirs["not_stored"] == ["verifier_lm_head.weight", "verifier_norm.weight"]
+    assert theirs["layer_ids"] == list(head.feature_layers) and theirs["mask_token_id"] == head.config.mask_token_id
+    assert theirs["block_size"] == head.config.block_size
+    with torch.no_grad():
+        ours = head.draft_logits(head.blocks(features, input_ids, theirs["anchors"].view(1, -1)))  # [1, A, B, V_draft]
+    torch.testing.assert_close(theirs["logits"], ours.view(-1, ours.shape[-1]), atol=1e-4, rtol=1e-4)
+    assert _drafts(target, tmp_path / "resaved", drafter="dflash") == _drafts(target, tmp_path / "export", drafter="dflash")

@@ -163,6 +163,6 @@ def heads_kind(path: Path) -> str | None:
         document = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError):
         return "layerskip" if (path / SKIP_FILE).is_file() else None
-    if isinstance(document, dict) and document.get("speculators_model_type") == "eagle3":
-        return "eagle3"  # a speculators EAGLE-3 directory (heads/eagle/speculators.py)
+    if isinstance(document, dict) and document.get("speculators_model_type") in ("eagle3", "dflash"):
+        return document["speculators_model_type"]  # a speculators directory (heads/speculators.py)
     return document.get("drafter") if isinstance(document, dict) else None

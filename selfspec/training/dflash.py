@@ -2,8 +2,8 @@
 positions) conditioned on the target's features of the positions before the anchor; block position i learns the
 target's distribution for token anchor + i (soft cross-entropy against its top-k), weighted by decay**(i - 1).
 
-All blocks of a sequence train in one forward: the sequence's context rows come first, then the blocks; block j
-sees the context rows before its anchor and its own block, exactly what it sees when drafting.
+All blocks of a sequence train in one forward: the sequence's context rows become keys and values, the blocks are
+the queries; block j sees the context rows before its anchor and its own block, exactly what it sees when drafting.
 """
 
 from __future__ import annotations
@@ -35,16 +35,8 @@ class DFlashTraining(TrainableHead):
         features = torch.cat([batch.hidden[layer] for layer in head.feature_layers], dim=-1)  # [b, L, F]
         count, length = batch.input_ids.shape
         anchors = sample_anchors(batch.valid, batch.loss_mask, self.config.anchors_per_sequence)  # [b, A]
-        blocks = anchors.shape[1]
-        context = head.context(features)  # [b, L, H]
-        inputs = head.block_inputs(batch.input_ids.gather(1, anchors).view(-1)).view(count, blocks * block, -1)
+        outputs = head.blocks(features, batch.input_ids, anchors)[:, :, 1:]  # [b, A, B-1, H]
         offsets = torch.arange(block, device=anchors.device)
-        positions = torch.cat([
-            torch.arange(length, device=anchors.device).expand(count, -1),
-            (anchors.unsqueeze(-1) + offsets).view(count, -1),
-        ], dim=1)
-        mask = training_mask(anchors, length, block, context.dtype)
-        outputs = head(context, inputs, positions, mask).view(count, blocks, block, -1)[:, :, 1:]  # [b, A, B-1, H]
         # Block position i (1..B-1) predicts token anchor + i: the target's distribution after position anchor + i - 1.
         label_at = anchors.unsqueeze(-1) + offsets[:-1]  # [b, A, B-1]
         predicted = (label_at + 1).clamp(max=length - 1)
@@ -89,27 +81,22 @@ def sample_anchors(valid: torch.Tensor, loss_mask: torch.Tensor, count: int) -> 
     return torch.multinomial(candidates, count, replacement=True)
 
 
-def training_mask(anchors: torch.Tensor, length: int, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """[b, 1, L + A*B, L + A*B] additive. Context rows: causal (their outputs are never read). Block j's rows: the
-    context rows before anchor j, and the whole of block j (bidirectional)."""
-    count, blocks = anchors.shape
-    device = anchors.device
-    size = length + blocks * block
-    allowed = torch.zeros(count, size, size, dtype=torch.bool, device=device)
-    allowed[:, :length, :length] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    sees_context = torch.arange(length, device=device).view(1, 1, -1) < anchors.unsqueeze(-1)  # [b, A, L]
-    allowed[:, length:, :length] = sees_context.repeat_interleave(block, dim=1)
-    block_of = torch.arange(blocks * block, device=device) // block
-    allowed[:, length:, length:] = block_of.view(-1, 1) == block_of.view(1, -1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.unsqueeze(1)
+def rarest_token(sequences, vocab_size: int) -> int:
+    """The mask token: the target token the training sequences use least (never, for a special token the data has
+    no use for), the lowest id among ties."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for sequence in sequences:
+        counts += torch.bincount(sequence.input_ids, minlength=vocab_size)
+    return int(counts.argmin())
 
 
 def train_dflash(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
     dflash = config.dflash
     layers = resolve_feature_layers(dflash, target.config.num_hidden_layers)
-    dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers})  # stored resolved, so loading needs no rule
     data = recipe_data(target, config, layers, timings)
+    mask_token = dflash.mask_token_id if dflash.mask_token_id >= 0 else rarest_token(data.train.sample, target.vocab_size)
+    # Stored resolved, so loading needs no rule.
+    dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers, "mask_token_id": mask_token})
     draft_vocab = draft_vocabulary(data.train.sample, dflash.draft_vocab_size, target.vocab_size)
     head = DFlashHead(dflash, target, draft_vocab).float()
     head.init_from_target(target)

@@ -8,8 +8,6 @@ from .eagle3 import (
     Eagle3Head,
     Eagle3Options,
     eagle3_layers,
-    export_heads,
-    import_heads,
     resolve_eagle3_layers,
 )
 
@@ -25,8 +23,6 @@ __all__ = [
     "EagleOptions",
     "Frontier",
     "eagle3_layers",
-    "export_heads",
     "grow_tree",
-    "import_heads",
     "resolve_eagle3_layers",
 ]

@@ -23,10 +23,21 @@ import torch
 from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target, sublayer_style
-from ..artifacts import HeadArtifact, heads_kind, load_state_strict, load_vocab_head, save_head
+from ..artifacts import HeadArtifact, load_state_strict, load_vocab_head, save_head
 from ..base import check_at_least_one, register_drafter
+from ..speculators import (
+    SpeculatorsDraft,
+    check_directory,
+    config_document,
+    default_aux_layers,
+    read_speculators,
+    speculators_type,
+    write_speculators,
+)
 from .drafter import EagleConfig, EagleDrafter, EagleFamilyHead, EagleOptions
-from .speculators import SpeculatorsEagle3, read_speculators, speculators_type, write_speculators
+
+LAYER_TYPES = ("llama", "qwen3")  # the draft decoder layers speculators defines for EAGLE-3
+_UNSUPPORTED_OPTIONS = ("norm_before_fc", "fc_norm", "norm_output")  # speculators variants selfspec's head lacks
 
 
 @dataclass(frozen=True)
@@ -46,12 +57,7 @@ class Eagle3Options(EagleOptions):
         check_at_least_one("eagle3", self)
 
 
-def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high layer as hidden_states indices: 2, N // 2, N - 3 (the inputs of layers 2,
-    N // 2 and N - 3, as vLLM captures them); 0, N // 2, N for models too shallow for that."""
-    if num_layers >= 6:
-        return (2, num_layers // 2, num_layers - 3)
-    return tuple(sorted({0, num_layers // 2, num_layers}))
+eagle3_layers = default_aux_layers  # a low, a middle and a high layer: 2, N // 2, N - 3
 
 
 def resolve_eagle3_layers(config: Eagle3Config, num_layers: int) -> tuple[int, ...]:
@@ -130,11 +136,34 @@ class Eagle3Drafter(EagleDrafter):
         return drafter
 
 
+def check_layer_type(target: Target) -> None:
+    model_type = getattr(target.config, "model_type", None)
+    if model_type not in LAYER_TYPES:
+        raise SelfspecError(f"speculators defines EAGLE-3 draft layers for {', '.join(LAYER_TYPES)} models, not "
+                            f"'{model_type}': this head can be used in selfspec but not exported")
+
+
+def _layer_config(target: Target) -> dict:
+    """The draft decoder layer's transformers config: the target's, one layer deep."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = 1
+    config.tie_word_embeddings = False
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    return config_document(config, str(target.dtype).removeprefix("torch."), num_hidden_layers=1, vocab_size=target.vocab_size)
+
+
 def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
     """A speculators EAGLE-3 directory -> the eagle3 head artifact for `target` (fingerprinted to it: checked here)."""
-    content = read_speculators(directory, target)
-    config = Eagle3Config(draft_vocab_size=len(content.draft_vocab), feature_layers=content.feature_layers,
-                          norm_before_residual=content.norm_before_residual, own_lm_head=content.own_lm_head)
+    expected = {"model_type": target.config.model_type, "hidden_size": target.config.hidden_size,
+                "vocab_size": target.vocab_size, "num_hidden_layers": 1}
+    content = read_speculators(directory, target, "eagle3", expected)
+    for option in _UNSUPPORTED_OPTIONS:
+        if content.fields.get(option):
+            raise SelfspecError(f"'{directory}' uses the speculators option {option}, which selfspec's EAGLE-3 head does not implement")
+    config = Eagle3Config(draft_vocab_size=len(content.draft_vocab),
+                          feature_layers=tuple(content.fields.get("eagle_aux_hidden_state_layer_ids") or ()),
+                          norm_before_residual=bool(content.fields.get("norm_before_residual")), own_lm_head=content.own_lm_head)
     layers = resolve_eagle3_layers(config, target.config.num_hidden_layers)
     config = Eagle3Config(**{**config.__dict__, "feature_layers": layers})
     state = {**content.state, "draft_vocab": content.draft_vocab}
@@ -149,15 +178,8 @@ def build_head(artifact: HeadArtifact, target: Target, where: Path) -> Eagle3Hea
 
 def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtype: str = "bfloat16") -> Path:
     """`selfspec export --format speculators`: eagle3 heads (selfspec's or speculators') -> a speculators directory."""
+    check_layer_type(target)
     heads_dir = Path(heads_dir)
-    if not heads_dir.is_dir():
-        raise SelfspecError(f"heads directory '{heads_dir}' does not exist")
-    kind = heads_kind(heads_dir)
-    if kind != "eagle3":
-        why = {"dflash": "; speculators' dflash drafter is another network (Qwen3 layers and a mask token where "
-                         "selfspec's uses the base's own layers and a learned mask embedding)",
-               "eagle": "; `eagle` is EAGLE-1, which speculators does not define: train `eagle3`"}.get(kind or "", "")
-        raise SelfspecError(f"'{heads_dir}' holds {kind or 'no'} heads: only eagle3 heads export to the speculators format{why}")
     if speculators_type(heads_dir) is None:
         head = load_vocab_head(target, heads_dir, "eagle3", Eagle3Config, Eagle3Head).head.float()
     else:
@@ -165,18 +187,16 @@ def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtyp
     state = {name: tensor for name, tensor in head.state_dict().items() if name != "draft_vocab"}
     if not head.config.own_lm_head:
         state["lm_head.weight"] = head.draft_lm_weight
-    content = SpeculatorsEagle3(state, head.draft_vocab, head.feature_layers, head.config.norm_before_residual,
-                                head.config.own_lm_head, verifier)
-    return write_speculators(Path(out), target, content, head.config.depth, dtype)
+    fields = {"eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+              "norm_before_residual": head.config.norm_before_residual,
+              **{option: False for option in _UNSUPPORTED_OPTIONS}, "embed_requires_grad": False}
+    draft = SpeculatorsDraft("eagle3", fields, _layer_config(target), state, head.draft_vocab, head.config.depth, verifier)
+    return write_speculators(Path(out), target, draft, dtype)
 
 
 def import_heads(target: Target, source: Path, out: Path) -> Path:
     """`selfspec import`: a speculators EAGLE-3 directory -> an eagle3 heads directory fingerprinted to `target`."""
-    source = Path(source)
-    if not (source / "config.json").is_file():
-        raise SelfspecError(f"'{source}' has no config.json: pass a speculators EAGLE-3 directory")
-    if speculators_type(source) is None:
-        raise SelfspecError(f"'{source}' is not a speculators directory (its config.json has no speculators_model_type)")
-    artifact = imported_artifact(target, source)
-    build_head(artifact, target, source)  # strict: every weight present, every shape right
+    check_directory(source, ("eagle3",))
+    artifact = imported_artifact(target, Path(source))
+    build_head(artifact, target, Path(source))  # strict: every weight present, every shape right
     return save_head(Path(out), "eagle3", artifact.config, artifact.state, artifact.fingerprint, artifact.extra)
