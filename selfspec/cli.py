@@ -243,8 +243,10 @@ def _profile(args) -> None:
         paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     stored = {name: save_cost_curve(curve_from_times(times[name]), target.device, target.name, name) for name in paths}
+    split = {"fast_stock_rows": paths["fast"].dispatch.stock_rows} if "fast" in paths else {}
     if args.json:
-        print(json.dumps({"sizes": list(PROFILE_SIZES), "ms": {name: [round(times[name][n] * 1e3, 2) for n in PROFILE_SIZES] for name in paths}}))
+        print(json.dumps({"sizes": list(PROFILE_SIZES), "ms": {name: [round(times[name][n] * 1e3, 2) for n in PROFILE_SIZES] for name in paths},
+                          **split}))
         return
     step = times["stock"][1]
     header = "  ".join(f"{name + ' ms':>9}  {'x stock@1':>9}" for name in paths)
@@ -253,6 +255,10 @@ def _profile(args) -> None:
         print(f"{n:>12}  " + "  ".join(f"{times[name][n] * 1e3:>9.1f}  {times[name][n] / step:>9.2f}" for name in paths))
     print(f"cache of {args.cache_length} tokens, {torch.get_num_threads()} threads; the drafters use the "
           f"'{target.execution.name}' curve{' (' + target.execution.note + ')' if target.execution.note else ''}")
+    if split:
+        dispatch = paths["fast"].dispatch
+        print(f"fast path: linear layers take the stock kernel below {dispatch.stock_rows} rows, the packed one from "
+              f"there on ({dispatch.source})")
     for name, path in stored.items():
         print(f"{name} curve stored in {path}")
 

@@ -1,6 +1,6 @@
 """The one way selfspec writes files: to a temporary name beside the destination, then renamed over it, so a reader
 sees the old file or the new one and an interruption leaves nothing half-written. Outputs are ordinary files
-(0644) and directories (0755), not the private modes `tempfile` creates.
+(0644) and directories (0755), not the private modes `tempfile` creates. And where selfspec keeps what it caches.
 """
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
+
+
+def cache_root() -> Path:
+    """Where selfspec keeps converted models and machine profiles ($SELFSPEC_CACHE, else ~/.cache/selfspec)."""
+    return Path(os.environ.get("SELFSPEC_CACHE", "~/.cache/selfspec")).expanduser()
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:

@@ -6,7 +6,9 @@ On a CPU in float32, `fast` changes three things, each through a public hook of 
   2-16-node tree costs 1.5-2.2x a one-token step although it reads the same weights; with the weights packed once,
   the GEMM for 16 rows reads them as one row does. Projections that read the same input (a layer's q, k and v) run
   as one GEMM over their concatenated weights. The packed modules are built from the stock modules' own weights and
-  the stock modules are put back after use.
+  the stock modules are put back after use. Below a row count measured once per machine (`RowDispatch`) they call
+  the stock kernel instead: on some CPUs it beats the packed one at a few rows (an AVX-512 Xeon: up to 3 rows),
+  on others it never does (an AVX2 EPYC).
 - attention under a tree mask runs SDPA on the grouped key/value heads (`enable_gqa`, registered with transformers'
   `AttentionInterface`): stock transformers copies every layer's cached keys and values once per query-head group
   whenever a mask is given, i.e. at every tree step.
@@ -22,21 +24,46 @@ transformers' own `generate`, training and anything else that uses the model out
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import statistics
+import time
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .errors import SelfspecError
+from .files import atomic_write_text, cache_root
 
 KERNEL_CHOICES = ("auto", "stock", "fast")
 _PACK_ROWS = 16  # the batch size oneDNN packs for: the tree sizes that matter on a CPU
 # `auto` packs only models whose linear layers hold at least this many weights: below it the weights sit in cache
 # anyway and oneDNN's per-call overhead outweighs what packing saves (tiny test models run faster stock).
 AUTO_MIN_WEIGHTS = 1 << 20
+
+
+STOCK_ROWS_ENV = "SELFSPEC_STOCK_ROWS"  # fixes RowDispatch.stock_rows instead of measuring it (tests, or by hand)
+CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8)  # row counts timed; from the first where packing wins, it is used
+_ALWAYS_STOCK = 1 << 30
+
+
+class RowDispatch:
+    """Which kernel the fast path's linear layers call for an input of r rows: the stock one (MKL's gemv or GEMM) when
+    r < `stock_rows`, the packed oneDNN one otherwise. One object is shared by every packed module of a path (the
+    target's and its drafters'), so one measurement sets them all."""
+
+    def __init__(self, stock_rows: int = 1):
+        self.stock_rows = stock_rows
+        self.source = "default"  # where stock_rows came from: default, env, measured, or the cached file
+
+    def use_stock(self, hidden: torch.Tensor) -> bool:
+        return hidden.numel() < self.stock_rows * hidden.shape[-1]  # rows = numel / in_features
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -61,14 +88,17 @@ class PackedLinear(torch.nn.Module):
     """A frozen nn.Linear whose weight oneDNN has packed once. Inference only: the packed copy is not trainable. The
     stock parameters stay registered (shared), so code that reads `.weight` and the state dict are unchanged."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, dispatch: RowDispatch):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = pack_weight(linear.weight)
         self._bias = None if linear.bias is None else linear.bias.detach()
+        self.dispatch = dispatch
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.dispatch.use_stock(hidden):
+            return F.linear(hidden, self.weight, self.bias)
         return packed_linear(hidden, self.packed, self._bias, self.out_features)
 
 
@@ -82,7 +112,8 @@ class SharedInputProduct:
     Whichever member is called first with an input computes every member's output; the others take theirs if they
     are called with that same tensor, and recompute otherwise, so any call order or a lone call stays correct."""
 
-    def __init__(self, layers: list[torch.nn.Linear]):
+    def __init__(self, layers: list[torch.nn.Linear], dispatch: RowDispatch):
+        self.layers, self.dispatch = layers, dispatch
         with torch.no_grad():
             self.packed = pack_weight(torch.cat([layer.weight for layer in layers]))
             biases = [layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]
@@ -94,6 +125,8 @@ class SharedInputProduct:
         self.outputs: list[torch.Tensor | None] = []
 
     def output(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        if self.dispatch.use_stock(hidden):  # each member on its own, as stock
+            return F.linear(hidden, self.layers[index].weight, self.layers[index].bias)
         if self.input is not hidden or self.outputs[index] is None:
             full = packed_linear(hidden, self.packed, self.bias, self.out_features)
             self.input, self.outputs = hidden, [full[..., start:end] for start, end in self.bounds]
@@ -116,14 +149,14 @@ class SharedInputLinear(torch.nn.Module):
         return self.product.output(self.index, hidden)
 
 
-def _shared_input_swaps(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
+def _shared_input_swaps(module: torch.nn.Module, dispatch: RowDispatch) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
     swaps = []
     for parent in module.modules():
         for names in SHARED_INPUT_GROUPS:
             layers = [getattr(parent, name, None) for name in names]
             if all(type(layer) is torch.nn.Linear for layer in layers) and len({(layer.in_features, layer.weight.dtype)
                                                                                  for layer in layers}) == 1:
-                product = SharedInputProduct(layers)
+                product = SharedInputProduct(layers, dispatch)
                 swaps += [(parent, name, layer, SharedInputLinear(layer, product, index))
                           for index, (name, layer) in enumerate(zip(names, layers))]
     return swaps
@@ -222,6 +255,55 @@ def fast_path_available(device: torch.device, dtype: torch.dtype) -> tuple[bool,
     return True, ""
 
 
+def _time_pass(modules: list[torch.nn.Module], inputs: dict[int, torch.Tensor]) -> float:
+    began = time.perf_counter()
+    for module in modules:
+        module(inputs[module.in_features])
+    return time.perf_counter() - began
+
+
+def measure_stock_rows(modules: list[torch.nn.Module], dispatch: RowDispatch, repeats: int = 5) -> tuple[int, dict]:
+    """Time one pass over every packed module (in forward order, so the weights stream from memory as in a forward)
+    with the stock and the packed kernels, interleaved, at each of CALIBRATION_ROWS -> (stock_rows: one past the
+    largest row count up to which stock wins at every size, {rows: [stock ms, packed ms]}: the medians)."""
+    kept, timings = dispatch.stock_rows, {}
+    try:
+        with torch.inference_mode():
+            for rows in CALIBRATION_ROWS:
+                inputs = {size: torch.randn(1, rows, size) * 0.1 for size in {module.in_features for module in modules}}
+                samples = {_ALWAYS_STOCK: [], 0: []}
+                for _ in range(repeats + 1):  # the first round warms up and is dropped
+                    for mode in samples:
+                        dispatch.stock_rows = mode
+                        samples[mode].append(_time_pass(modules, inputs))
+                timings[rows] = [round(statistics.median(samples[mode][1:]) * 1e3, 3) for mode in samples]
+    finally:
+        dispatch.stock_rows = kept
+    stock_rows = 1
+    for rows in CALIBRATION_ROWS:
+        if timings[rows][0] >= timings[rows][1]:
+            break
+        stock_rows = rows + 1
+    return stock_rows, timings
+
+
+def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module]) -> None:
+    """Set `dispatch.stock_rows` for these modules on this machine: $SELFSPEC_STOCK_ROWS, else the stored result for
+    this machine and these weight shapes, else measured now (a few seconds, once) and stored."""
+    if os.environ.get(STOCK_ROWS_ENV):
+        dispatch.stock_rows, dispatch.source = max(1, int(os.environ[STOCK_ROWS_ENV])), f"${STOCK_ROWS_ENV}"
+        return
+    shapes = sorted(tuple(module.weight.shape) for module in modules)
+    signature = hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]
+    path = cache_root() / "profiles" / f"cpu-{torch.get_num_threads()}threads--linears-{signature}--stock-rows.json"
+    if path.is_file():
+        dispatch.stock_rows, dispatch.source = int(json.loads(path.read_text())["stock_rows"]), str(path)
+        return
+    dispatch.stock_rows, timings = measure_stock_rows(modules, dispatch)
+    dispatch.source = f"measured, stored in {path}"
+    atomic_write_text(path, json.dumps({"stock_rows": dispatch.stock_rows, "ms_stock_packed": timings}, indent=1) + "\n")
+
+
 def _linear_weights(model: torch.nn.Module) -> int:
     return sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
 
@@ -243,16 +325,19 @@ class ExecutionPath:
         self.name = "fast" if kernels in ("fast", "auto") and available else "stock"
         self.note = reason if kernels == "auto" and not available else ""
         self._swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] | None = None
+        self.dispatch = RowDispatch()  # calibrated when the swaps are built
         self._depth = 0  # nested activations: only the outermost swaps modules in and out
 
     def _build_swaps(self) -> list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]]:
         """(parent, attribute, stock module, fast module) for every nn.Linear of the model, packed once: sibling
         projections that read one input (SHARED_INPUT_GROUPS) as one GEMM, the others each on its own."""
         with torch.no_grad():
-            swaps = _shared_input_swaps(self.model)
+            swaps = _shared_input_swaps(self.model, self.dispatch)
             shared = {id(stock) for _, _, stock, _ in swaps}
-            return swaps + [(parent, attribute, child, PackedLinear(child))
-                            for parent, attribute, child in _plain_linears(self.model) if id(child) not in shared]
+            swaps += [(parent, attribute, child, PackedLinear(child, self.dispatch))
+                      for parent, attribute, child in _plain_linears(self.model) if id(child) not in shared]
+        calibrate(self.dispatch, [fast for _, _, _, fast in swaps])
+        return swaps
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -288,7 +373,7 @@ class ExecutionPath:
             return False
         with torch.no_grad():
             for parent, attribute, child in _plain_linears(module):
-                setattr(parent, attribute, PackedLinear(child))
+                setattr(parent, attribute, PackedLinear(child, self.dispatch))
         return True
 
     def new_cache(self) -> DynamicCache:

