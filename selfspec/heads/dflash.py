@@ -31,13 +31,16 @@ from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target, sublayer_style
 from ..tree_attention import DraftTree, trim_cache
-from .artifacts import HeadArtifact, load_state_strict, load_vocab_head, save_head
+from .artifacts import HeadArtifact
 from .base import DraftRequest, Observation, check_at_least_one, register_drafter
 from .speculators import (
     SpeculatorsDraft,
-    check_directory,
+    build_imported,
     config_document,
     default_aux_layers,
+    export_state,
+    head_for_export,
+    import_directory,
     read_speculators,
     speculators_type,
     write_speculators,
@@ -258,7 +261,7 @@ class DFlashDrafter(VocabHeadDrafter):
         """A selfspec heads directory, or a speculators DFlash one (imported as it loads)."""
         if heads_dir is None or speculators_type(heads_dir) is None:
             return super().load(target, heads_dir, cost_curve, options)
-        head = build_head(imported_artifact(target, Path(heads_dir)), target, Path(heads_dir))
+        head = build_imported(DFlashHead, imported_artifact(target, Path(heads_dir)), target, Path(heads_dir))
         drafter = cls(target, cost_curve, head.to(target.dtype), options)
         drafter.heldout_tau = None
         return drafter
@@ -330,22 +333,11 @@ def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
     return HeadArtifact("dflash", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier})
 
 
-def build_head(artifact: HeadArtifact, target: Target, where: Path) -> DFlashHead:
-    head = DFlashHead(artifact.config, target, artifact.state["draft_vocab"])
-    load_state_strict(head, artifact.state, where)
-    return head
-
 
 def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtype: str = "bfloat16") -> Path:
     """`selfspec export --format speculators`: dflash heads (selfspec's or speculators') -> a speculators directory."""
-    heads_dir = Path(heads_dir)
-    if speculators_type(heads_dir) is None:
-        head = load_vocab_head(target, heads_dir, "dflash", DFlashConfig, DFlashHead).head.float()
-    else:
-        head = build_head(imported_artifact(target, heads_dir), target, heads_dir)
-    state = {name: tensor for name, tensor in head.state_dict().items() if name != "draft_vocab"}
-    if not head.config.own_lm_head:
-        state["lm_head.weight"] = head.draft_lm_weight
+    head = head_for_export(target, heads_dir, "dflash", DFlashConfig, DFlashHead, imported_artifact)
+    state = export_state(head)
     fields = {"block_size": head.config.block_size, "aux_hidden_state_layer_ids": list(head.feature_layers),
               "mask_token_id": head.config.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False}
     layer_config = config_document(head.layer_config, "float32", num_hidden_layers=head.config.num_layers)
@@ -355,7 +347,4 @@ def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtyp
 
 def import_heads(target: Target, source: Path, out: Path) -> Path:
     """`selfspec import`: a speculators DFlash directory -> a dflash heads directory fingerprinted to `target`."""
-    check_directory(source, ("dflash",))
-    artifact = imported_artifact(target, Path(source))
-    build_head(artifact, target, Path(source))  # strict: every weight present, every shape right
-    return save_head(Path(out), "dflash", artifact.config, artifact.state, artifact.fingerprint, artifact.extra)
+    return import_directory(target, source, out, "dflash", DFlashHead, imported_artifact)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from ..errors import SelfspecError
 from ..files import atomic_directory
 from ..models import Target
-from .artifacts import CONFIG, WEIGHTS
+from .artifacts import CONFIG, WEIGHTS, HeadArtifact, load_state_strict, load_vocab_head, save_head
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this follows (checked by tests/test_speculators.py)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -188,3 +188,36 @@ def check_directory(source: Path, kinds: tuple[str, ...]) -> str:
     if kind not in kinds:
         raise SelfspecError(f"'{source}' holds a speculators '{kind}' drafter: selfspec imports {' and '.join(kinds)} only")
     return kind
+
+
+def build_imported(head_class, artifact: HeadArtifact, target: Target, where: Path):
+    """The head an imported artifact describes, its weights loaded strictly (every weight present, every shape right)."""
+    head = head_class(artifact.config, target, artifact.state["draft_vocab"])
+    load_state_strict(head, artifact.state, where)
+    return head
+
+
+def head_for_export(target: Target, heads_dir: Path, kind: str, config_class, head_class, imported_artifact):
+    """A selfspec heads directory of `kind`, or a speculators one (`imported_artifact(target, dir)` reads it) -> the
+    head in float32."""
+    heads_dir = Path(heads_dir)
+    if speculators_type(heads_dir) is None:
+        return load_vocab_head(target, heads_dir, kind, config_class, head_class).head.float()
+    return build_imported(head_class, imported_artifact(target, heads_dir), target, heads_dir)
+
+
+def export_state(head) -> dict[str, torch.Tensor]:
+    """A head's weights as a speculators directory stores them: without the draft vocabulary (d2t/t2d carry it), with
+    `lm_head.weight` (the target's draft rows, unless the head has its own)."""
+    state = {name: tensor for name, tensor in head.state_dict().items() if name != "draft_vocab"}
+    if not head.config.own_lm_head:
+        state["lm_head.weight"] = head.draft_lm_weight
+    return state
+
+
+def import_directory(target: Target, source: Path, out: Path, kind: str, head_class, imported_artifact) -> Path:
+    """`selfspec import`: a speculators directory of `kind` -> a heads directory at `out` fingerprinted to `target`."""
+    check_directory(source, (kind,))
+    artifact = imported_artifact(target, Path(source))
+    build_imported(head_class, artifact, target, Path(source))  # refuses what does not load, before writing anything
+    return save_head(Path(out), kind, artifact.config, artifact.state, artifact.fingerprint, artifact.extra)

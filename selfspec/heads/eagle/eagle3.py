@@ -23,13 +23,16 @@ import torch
 from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target, sublayer_style
-from ..artifacts import HeadArtifact, load_state_strict, load_vocab_head, save_head
+from ..artifacts import HeadArtifact
 from ..base import check_at_least_one, register_drafter
 from ..speculators import (
     SpeculatorsDraft,
-    check_directory,
+    build_imported,
     config_document,
     default_aux_layers,
+    export_state,
+    head_for_export,
+    import_directory,
     read_speculators,
     speculators_type,
     write_speculators,
@@ -130,7 +133,7 @@ class Eagle3Drafter(EagleDrafter):
         if heads_dir is None or speculators_type(heads_dir) is None:
             return super().load(target, heads_dir, cost_curve, options)
         artifact = imported_artifact(target, Path(heads_dir))
-        head = build_head(artifact, target, Path(heads_dir))
+        head = build_imported(Eagle3Head, artifact, target, Path(heads_dir))
         drafter = cls(target, cost_curve, head.to(target.dtype), options)
         drafter.heldout_tau = None
         return drafter
@@ -170,23 +173,12 @@ def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
     return HeadArtifact("eagle3", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier})
 
 
-def build_head(artifact: HeadArtifact, target: Target, where: Path) -> Eagle3Head:
-    head = Eagle3Head(artifact.config, target, artifact.state["draft_vocab"])
-    load_state_strict(head, artifact.state, where)
-    return head
-
 
 def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtype: str = "bfloat16") -> Path:
     """`selfspec export --format speculators`: eagle3 heads (selfspec's or speculators') -> a speculators directory."""
     check_layer_type(target)
-    heads_dir = Path(heads_dir)
-    if speculators_type(heads_dir) is None:
-        head = load_vocab_head(target, heads_dir, "eagle3", Eagle3Config, Eagle3Head).head.float()
-    else:
-        head = build_head(imported_artifact(target, heads_dir), target, heads_dir)
-    state = {name: tensor for name, tensor in head.state_dict().items() if name != "draft_vocab"}
-    if not head.config.own_lm_head:
-        state["lm_head.weight"] = head.draft_lm_weight
+    head = head_for_export(target, heads_dir, "eagle3", Eagle3Config, Eagle3Head, imported_artifact)
+    state = export_state(head)
     fields = {"eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
               "norm_before_residual": head.config.norm_before_residual,
               **{option: False for option in _UNSUPPORTED_OPTIONS}, "embed_requires_grad": False}
@@ -196,7 +188,4 @@ def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtyp
 
 def import_heads(target: Target, source: Path, out: Path) -> Path:
     """`selfspec import`: a speculators EAGLE-3 directory -> an eagle3 heads directory fingerprinted to `target`."""
-    check_directory(source, ("eagle3",))
-    artifact = imported_artifact(target, Path(source))
-    build_head(artifact, target, Path(source))  # strict: every weight present, every shape right
-    return save_head(Path(out), "eagle3", artifact.config, artifact.state, artifact.fingerprint, artifact.extra)
+    return import_directory(target, source, out, "eagle3", Eagle3Head, imported_artifact)
