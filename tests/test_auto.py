@@ -16,7 +16,7 @@ from selfspec.heads import artifacts
 from selfspec.heads.auto import MIN_HELDOUT_TAU, SourcePacing, SourceRates, merge_trees, select_nodes
 from selfspec.tree_attention import DraftTree
 
-from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_eagle_dir, without_eos
+from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_dflash_dir, random_eagle_dir, without_eos
 
 
 def tree(root: int, paths: list[list[int]]) -> DraftTree:
@@ -193,6 +193,16 @@ def test_default_sources_leave_out_heads_that_drafted_little_on_held_out_prompts
         assert "eagle left out (held-out mean accepted length 1.10" in auto.contributions()
     named = create_drafter("auto:sources=ngram+eagle", target)  # sources named outright join whatever the report
     assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].heldout_tau == heldout
+
+
+def test_dflash_joins_auto_only_when_asked(tmp_path, monkeypatch):
+    target = make_tiny_target("llama")
+    monkeypatch.setattr(artifacts, "SHIPPED_DIR", tmp_path)
+    heads = random_dflash_dir(target, tmp_path / "dflash-tiny")
+    (heads / artifacts.REPORT).write_text(json.dumps({"heldout": {"mean_accepted_length": 2.0}}))
+    assert "dflash" not in create_drafter("auto", target).sources  # shipped, and well above MIN_HELDOUT_TAU
+    assert list(create_drafter("auto", target, heads).sources) == ["ngram", "dflash"]
+    assert list(create_drafter("auto:sources=ngram+dflash", target).sources) == ["ngram", "dflash"]
 
 
 def test_unpaced_requests_ask_every_source_at_every_step():
