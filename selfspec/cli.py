@@ -25,8 +25,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--kernels", default="auto", choices=["auto", "stock", "fast"],
-                        help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); auto = fast where it exists")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "stock", "fast", "compiled"],
+                        help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); compiled = fast, "
+                             "with the decoding steps compiled ahead of time (once per machine, a few minutes; needs g++); "
+                             "auto = the best of these that exists here")
 
 
 def _add_drafter_args(parser: argparse.ArgumentParser, drafter_help: str) -> None:
@@ -241,6 +243,8 @@ def _profile(args) -> None:
     paths = {"stock": ExecutionPath(target.model, "stock")}
     if fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock":
         paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
+    if target.execution.name == "compiled":
+        paths["compiled"] = target.execution
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     stored = {name: save_cost_curve(curve_from_times(times[name]), target.device, target.name, name) for name in paths}
     split = {"fast_stock_rows": paths["fast"].dispatch.stock_rows} if "fast" in paths else {}

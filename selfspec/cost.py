@@ -111,13 +111,13 @@ def profile_path(device: torch.device | str, model_name: str, kernels: str = "st
 
 
 def load_cost_curve(device: torch.device | str, model_name: str, kernels: str = "stock") -> CostCurve:
-    """The stored profile for this device, model and execution path (`kernels`: stock or fast) if `selfspec profile`
+    """The stored profile for this device, model and execution path (`kernels`: stock, fast or compiled) if `selfspec profile`
     made one, else the built-in estimate for that path."""
     path = profile_path(device, model_name, kernels)
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
-    kind = "cuda" if torch.device(device).type == "cuda" else ("cpu-fast" if kernels == "fast" else "cpu")
+    kind = "cuda" if torch.device(device).type == "cuda" else ("cpu-fast" if kernels in ("fast", "compiled") else "cpu")
     table = _BUILTIN[kind]
     return CostCurve(tuple(table), tuple(table.values()), source=f"builtin ({kind})")
 

@@ -17,6 +17,10 @@ On a CPU in float32, `fast` changes three things, each through a public hook of 
 No modelling code is copied. Elsewhere (CUDA, other dtypes, a PyTorch without oneDNN) `fast` is the stock path,
 and says so.
 
+`compiled` is `fast` with the decoding steps (1-64 new tokens after a cache) compiled ahead of time by AOTInductor
+(selfspec.compiled): inside `active()` the model's forward routes those steps to the compiled graphs and anything
+else (prefill) to the eager fast path.
+
 The path is active only inside `ExecutionPath.active()`, which the decoding loop enters for a whole generation:
 transformers' own `generate`, training and anything else that uses the model outside it run the stock modules.
 """
@@ -28,6 +32,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Iterator
 
@@ -41,7 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .errors import SelfspecError
 from .files import atomic_write_text, cache_root
 
-KERNEL_CHOICES = ("auto", "stock", "fast")
+KERNEL_CHOICES = ("auto", "stock", "fast", "compiled")
 _PACK_ROWS = 16  # the batch size oneDNN packs for: the tree sizes that matter on a CPU
 # `auto` packs only models whose linear layers hold at least this many weights: below it the weights sit in cache
 # anyway and oneDNN's per-call overhead outweighs what packing saves (tiny test models run faster stock).
@@ -204,6 +209,10 @@ class InPlaceLayer(DynamicLayer):
             value_store[..., : self.length, :] = self.values
         self._key_store, self._value_store = key_store, value_store
 
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` positions in storage (for writers other than `update`: the compiled step)."""
+        self._reserve(needed, self._key_store, self._value_store)
+
     def _expose(self, length: int) -> None:
         self.length = length
         self.keys = self._key_store[..., :length, :]
@@ -309,21 +318,33 @@ def _linear_weights(model: torch.nn.Module) -> int:
 
 
 class ExecutionPath:
-    """How the target's forward runs. `kernels`: 'stock', 'fast', or 'auto' (fast wherever it exists)."""
+    """How the target's forward runs. `kernels`: 'stock', 'fast', 'compiled' (fast, with the decoding steps compiled
+    ahead of time: selfspec.compiled), or 'auto' (the best of these that exists here)."""
 
-    def __init__(self, model: torch.nn.Module, kernels: str = "auto"):
+    def __init__(self, model: torch.nn.Module, kernels: str = "auto", model_name: str = "model"):
+        from .compiled import COMPILE_ENV, CompiledStep, compiler_available
+
         if kernels not in KERNEL_CHOICES:
             raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
         parameter = next(model.parameters())
         available, reason = fast_path_available(parameter.device, parameter.dtype)
-        if kernels == "fast" and not available:
-            raise SelfspecError(f"--kernels fast: {reason}; use --kernels stock or auto")
+        if kernels in ("fast", "compiled") and not available:
+            raise SelfspecError(f"--kernels {kernels}: {reason}; use --kernels stock or auto")
         if kernels == "auto" and available and _linear_weights(model) < AUTO_MIN_WEIGHTS:
             available, reason = False, "a model this small runs faster on the stock kernels"
+        compiles, why_not = compiler_available(model) if available else (False, reason)
+        if kernels == "compiled" and not compiles:
+            raise SelfspecError(f"--kernels compiled: {why_not}; use --kernels fast or auto")
+        if kernels == "auto" and compiles and os.environ.get(COMPILE_ENV, "1") == "0":
+            compiles, why_not = False, f"${COMPILE_ENV}=0"
         self.model = model
         self.requested = kernels
-        self.name = "fast" if kernels in ("fast", "auto") and available else "stock"
-        self.note = reason if kernels == "auto" and not available else ""
+        self.name = "stock"
+        if kernels in ("fast", "compiled", "auto") and available:
+            self.name = "compiled" if kernels in ("compiled", "auto") and compiles else "fast"
+        self.note = reason if kernels == "auto" and not available else (
+            f"no compiled step: {why_not}" if kernels == "auto" and self.name == "fast" else "")
+        self.compiled = CompiledStep(model, model_name, InPlaceLayer) if self.name == "compiled" else None
         self._swaps: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.nn.Module]] | None = None
         self.dispatch = RowDispatch()  # calibrated when the swaps are built
         self._depth = 0  # nested activations: only the outermost swaps modules in and out
@@ -349,27 +370,50 @@ class ExecutionPath:
             finally:
                 self._depth -= 1
             return
-        if self._swaps is None:
-            self._swaps = self._build_swaps()
         config = self.model.config
         attention = config._attn_implementation
-        for parent, attribute, _, packed in self._swaps:
-            setattr(parent, attribute, packed)
         if attention == "sdpa":
             config._attn_implementation = GROUPED_SDPA
+        try:
+            if self.compiled is not None:
+                self._load_compiled()  # traces the stock modules, so before the packed ones go in
+            if self._swaps is None:
+                self._swaps = self._build_swaps()
+        except BaseException:
+            config._attn_implementation = attention
+            raise
+        for parent, attribute, _, packed in self._swaps:
+            setattr(parent, attribute, packed)
+        if self.compiled is not None:
+            self.model.forward = self.compiled.route(type(self.model).forward.__get__(self.model))
         self._depth = 1
         try:
             yield
         finally:
             self._depth = 0
+            self.model.__dict__.pop("forward", None)
             config._attn_implementation = attention
             for parent, attribute, stock, _ in self._swaps:
                 setattr(parent, attribute, stock)
 
+    def _load_compiled(self) -> None:
+        """Load (or compile, once per machine) the compiled steps. Under `auto` a failure leaves the fast path, said
+        once; asked for by name, it is an error."""
+        try:
+            self.compiled.load()
+        except (KeyboardInterrupt, SelfspecError):
+            raise
+        except Exception as error:  # noqa: BLE001  (export and C++ compilation fail in many ways)
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            if self.requested == "compiled":
+                raise SelfspecError(f"--kernels compiled: compiling the step failed ({reason}); use --kernels fast") from None
+            print(f"[selfspec] no compiled step ({reason}): the fast path runs", file=sys.stderr, flush=True)
+            self.name, self.note, self.compiled = "fast", f"no compiled step: {reason}", None
+
     def pack(self, module: torch.nn.Module) -> bool:
-        """For a drafter's own frozen, inference-only modules (its heads): on `fast`, every nn.Linear inside is
+        """For a drafter's own frozen, inference-only modules (its heads): on `fast` and `compiled`, every nn.Linear inside is
         swapped for good for a packed one, as the target's are inside `active()`. Returns whether it packed."""
-        if self.name != "fast":
+        if self.name == "stock":
             return False
         with torch.no_grad():
             for parent, attribute, child in _plain_linears(module):
@@ -377,12 +421,15 @@ class ExecutionPath:
         return True
 
     def new_cache(self) -> DynamicCache:
-        """A KV cache for this path: on `fast`, full-attention layers are written in place (InPlaceLayer)."""
+        """A KV cache for this path: on `fast` and `compiled`, full-attention layers are written in place (InPlaceLayer)."""
         cache = DynamicCache(config=self.model.config)
-        if self.name == "fast":
+        if self.name != "stock":
             cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
         return cache
 
     def invalidate(self) -> None:
-        """Forget the packed weights (after the model's weights change, e.g. an adapter merged into it)."""
+        """Forget the packed weights and compiled steps (after the model's weights change, e.g. an adapter merged into
+        it): the next activation packs, and loads or compiles, for the new weights."""
         self._swaps = None
+        if self.compiled is not None:
+            self.compiled.runners = None

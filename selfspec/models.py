@@ -71,12 +71,12 @@ class Target:
     name: str = "model"
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
-    kernels: str = "auto"  # the execution path asked for: auto, stock or fast (see selfspec.kernels)
+    kernels: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.kernels)
 
     @cached_property
     def execution(self) -> ExecutionPath:
         """How the decoding loop runs the model (the stock modules everywhere else)."""
-        return ExecutionPath(self.model, self.kernels)
+        return ExecutionPath(self.model, self.kernels, self.name)
 
     @property
     def config(self):

@@ -20,6 +20,8 @@ os.environ["SELFSPEC_AUTO_PROFILE"] = "0"
 # The fast path's linear layers: one row on the stock kernel, 2+ rows packed (a fixed split, not this machine's
 # measured one), so every greedy test mixes the two kernels as decoding on such a CPU does.
 os.environ["SELFSPEC_STOCK_ROWS"] = "2"
+# `auto` does not compile the real model's steps (minutes) in the suite; test_compiled compiles a tiny model by name.
+os.environ["SELFSPEC_COMPILE"] = "0"
 
 RECORDS = 100  # fake ShareGPT records; the held-out split is the last 2
 

@@ -1,0 +1,243 @@
+"""The `compiled` execution path: the target's decoding step compiled ahead of time by AOTInductor, on a CPU.
+
+On a CPU the fast path's eager forward spends a third of a one-token step outside the matrix products: ~3,000 small
+ops a forward, each paying PyTorch's dispatch and Python's call overhead. `torch.export` traces the stock
+transformers forward (no modelling code is copied) into one graph; AOTInductor fuses the element-wise ops into C++
+loops and compiles it into a shared library that any later process loads in about a second. Two graphs:
+- `few`: 2-3 new tokens, its products on MKL's stock kernel, which streams the weights as fast as memory allows at
+  so few rows. A one-token step runs here too, with a second, dummy row that sees only itself (it costs about
+  nothing: the weights are read once either way) and whose key and value are left outside the cache's length.
+- `tree`: 4-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
+  once for small row counts.
+Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
+(`kernels.InPlaceLayer`), so a step copies no cache. Compiling takes about a minute per graph on a 2-core CPU, once
+per machine, model weights and software versions: the packages are stored under the selfspec cache. Prefill and
+anything else the graphs do not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager
+fast path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .errors import SelfspecError
+from .files import cache_root
+
+COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machines where a minute matters)
+MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
+GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (one row runs in `few`, padded)
+MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
+PACKAGE_FORMAT = 2  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+_EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
+
+
+def compiler_available(model: torch.nn.Module | None = None) -> tuple[bool, str]:
+    """(whether AOTInductor can build the steps of `model` here, why not)."""
+    if model is not None and any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        return False, "the compiled step covers full-attention caches only (this model has sliding-window layers)"
+    if not hasattr(torch._inductor, "aoti_compile_and_package"):
+        return False, "this PyTorch has no AOTInductor"
+    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        return False, "no C++ compiler (g++) on this machine"
+    return True, ""
+
+
+def cpu_signature() -> str:
+    """The CPU model and instruction sets: compiled code and measured curves belong to one kind of CPU."""
+    text = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            lines = [line for line in handle.read().splitlines() if line.startswith(("model name", "flags"))]
+        text = "\n".join(sorted(set(lines)))
+    return hashlib.sha1((text or platform.processor() or platform.machine()).encode()).hexdigest()[:10]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of the model's parameters (names, shapes and a strided sample of values): a package is compiled
+    with the weights inside, so other weights (an adapter merged in, another checkpoint) need another package."""
+    digest = hashlib.sha1()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            flat = parameter.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+            digest.update(f"{name}{tuple(parameter.shape)}".encode())
+            digest.update(sample)
+    return digest.hexdigest()[:12]
+
+
+def package_dir(model: torch.nn.Module, model_name: str) -> Path:
+    versions = f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    key = f"{Path(model_name).name}--{weights_digest(model)}--format{PACKAGE_FORMAT}--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"
+    return cache_root() / "compiled" / key.replace("/", "_")
+
+
+class _StoreLayer(DynamicLayer):
+    """Inside the traced step: one layer's KV storage [1, kv_heads, capacity, head_dim] holding `cached` positions;
+    the step's keys and values are written in place after them."""
+
+    def __init__(self, key_store: torch.Tensor, value_store: torch.Tensor, cached: int):
+        super().__init__()
+        self.key_store, self.value_store, self.cached = key_store, value_store, cached
+        self.dtype, self.device, self.is_initialized = key_store.dtype, key_store.device, True
+        self.keys, self.values = key_store[:, :, :cached], value_store[:, :, :cached]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.cached + key_states.shape[-2]
+        self.key_store[:, :, self.cached : end].copy_(key_states)
+        self.value_store[:, :, self.cached : end].copy_(value_states)
+        self.keys, self.values = self.key_store[:, :, :end], self.value_store[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.cached
+
+
+class _Step(torch.nn.Module):
+    """The traced function: (new tokens [1, n], their positions [1, n], the tree's own mask [1, 1, n, n] additive, a
+    [0, cached] tensor whose width is the cache length, each layer's key and value storage) -> (logits [1, n, V],
+    hidden states: the embeddings and every layer's output, each [1, n, H])."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, tree_mask, cached_marker, key_stores, value_stores):
+        cached, n = cached_marker.shape[1], input_ids.shape[1]
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [_StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores)]
+        mask = torch.cat([tree_mask.new_zeros(1, 1, n, cached), tree_mask], dim=-1)  # the whole cache, then the tree
+        output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            past_key_values=cache, use_cache=True, output_hidden_states=True)
+        return output.logits, tuple(output.hidden_states)
+
+
+def chain_mask(rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, rows, rows] additive causal mask."""
+    return torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype).triu(1).view(1, 1, rows, rows)
+
+
+def _example(model: torch.nn.Module, rows: int) -> tuple:
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    stores = [torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
+    positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows)
+    return (torch.zeros(1, rows, dtype=torch.long), positions, chain_mask(rows, dtype), torch.empty(0, _EXAMPLE_CACHED),
+            stores, [store.clone() for store in stores])
+
+
+def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
+    """Trace and compile one graph (a key of GRAPHS) of `model`'s stock modules into the package `path`."""
+    from torch.export import Dim
+
+    low, high = GRAPHS[kind]
+    rows, layers = Dim(f"{kind}_rows", min=low, max=high), model.config.num_hidden_layers
+    shapes = {"input_ids": {1: rows}, "position_ids": {1: rows}, "tree_mask": {2: rows, 3: rows},
+              "cached_marker": {1: Dim("cached", min=MIN_CACHED, max=1 << 20)},
+              "key_stores": [{2: Dim.AUTO}] * layers, "value_stores": [{2: Dim.AUTO}] * layers}
+    example = _example(model, min(max(low, 6), high))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
+    try:
+        with torch.no_grad():  # Inductor freezes (and packs) the weights only without autograd
+            program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
+            torch._inductor.aoti_compile_and_package(program, package_path=str(temp),
+                                                     inductor_configs={"freezing": kind == "tree"})
+        os.chmod(temp, 0o644)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+class CompiledStep:
+    """The two compiled graphs of one model, built on first use (or loaded from the cache), and the call that routes
+    an eligible forward to them."""
+
+    def __init__(self, model: torch.nn.Module, model_name: str, layer_type: type, log=None):
+        """layer_type: the cache layer the graphs write into (kernels.InPlaceLayer: storage, `length`, `reserve`)."""
+        self.model, self.model_name, self.layer_type = model, model_name, layer_type
+        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.runners: dict[str, object] | None = None
+        self.directory: Path | None = None
+
+    def load(self) -> None:
+        """Load both packages, compiling those that are not stored yet (the model must be on its fast path)."""
+        if self.runners is not None:
+            return
+        self.directory = package_dir(self.model, self.model_name)
+        runners = {}
+        for index, kind in enumerate(GRAPHS):
+            path = self.directory / f"{kind}.pt2"
+            if not path.is_file():
+                began = time.perf_counter()
+                self.log(f"[selfspec] compiling the target's '{kind}' step for this machine ({index + 1}/2; once, "
+                         f"a minute or two; stored in {self.directory})")
+                compile_step(self.model, kind, path)
+                self.log(f"[selfspec] compiled the '{kind}' step in {time.perf_counter() - began:.0f} s")
+            runners[kind] = torch._inductor.aoti_load_package(str(path))
+        self.runners = runners
+
+    def route(self, eager):
+        """The model's forward while the path is active: a decoding step the compiled graphs cover goes to them,
+        anything else (prefill, other arguments) to `eager`, the model's own forward."""
+        handled = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "output_hidden_states"}
+
+        def forward(*args, **kwargs):
+            input_ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+            if (args or kwargs.get("use_cache") is False
+                    or any(value is not None for key, value in kwargs.items() if key not in handled)
+                    or not self.eligible(input_ids, cache, kwargs)):
+                return eager(*args, **kwargs)
+            return self(input_ids, kwargs.get("position_ids"), kwargs.get("attention_mask"), cache,
+                        bool(kwargs.get("output_hidden_states")))
+
+        return forward
+
+    def eligible(self, input_ids, cache, kwargs) -> bool:
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not 1 <= input_ids.shape[1] <= MAX_TREE_ROWS:
+            return False
+        if kwargs.get("inputs_embeds") is not None or not isinstance(cache, DynamicCache) or not cache.layers:
+            return False
+        layers = cache.layers
+        return (all(type(layer) is self.layer_type and layer.is_initialized and layer._key_store is not None for layer in layers)
+                and len({layer.length for layer in layers}) == 1 and layers[0].length >= MIN_CACHED)
+
+    def __call__(self, input_ids, position_ids, attention_mask, cache: DynamicCache, output_hidden_states: bool):
+        """One step through the compiled graphs; the cache's in-place layers take the new positions."""
+        n, cached = input_ids.shape[1], cache.layers[0].length
+        dtype = cache.layers[0]._key_store.dtype
+        if position_ids is None:
+            position_ids = torch.arange(cached, cached + n).view(1, n)
+        if attention_mask is None:  # a chain: causal among the new tokens
+            tree_mask = chain_mask(n, dtype)
+        elif attention_mask.dim() == 4 and attention_mask.shape[-2:] == (n, cached + n):
+            tree_mask = attention_mask[..., cached:]
+        else:
+            raise SelfspecError(f"compiled step: expected a [1, 1, {n}, {cached + n}] mask, got {tuple(attention_mask.shape)}")
+        rows = n
+        if n == 1:  # padded to the `few` graph's two rows: a dummy second row that sees only itself
+            rows = 2
+            input_ids, position_ids = input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], dim=1)
+            tree_mask = torch.eye(2, dtype=dtype).sub_(1.0).mul_(-torch.finfo(dtype).min).view(1, 1, 2, 2)
+        for layer in cache.layers:
+            layer.reserve(cached + rows)
+        stores = ([layer._key_store for layer in cache.layers], [layer._value_store for layer in cache.layers])
+        graph = self.runners["few" if rows <= GRAPHS["few"][1] else "tree"]
+        logits, hidden = graph(input_ids, position_ids, tree_mask.to(dtype).contiguous(), torch.empty(0, cached), *stores)
+        for layer in cache.layers:
+            layer._expose(cached + n)  # a dummy row's key and value stay outside the length
+        return CausalLMOutputWithPast(logits=logits[:, :n], past_key_values=cache,
+                                      hidden_states=tuple(state[:, :n] for state in hidden) if output_hidden_states else None)

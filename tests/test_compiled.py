@@ -1,0 +1,156 @@
+"""The compiled execution path (selfspec.compiled): the decoding steps compiled ahead of time compute what the eager
+fast path computes, write the KV cache in place, are compiled once and then loaded, and decoding through them equals
+plain greedy decoding. One tiny Llama is compiled for the whole module (two graphs, ~1 minute on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec import compiled as compiled_module
+from selfspec.compiled import COMPILE_ENV, CompiledStep, compiler_available
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter
+from selfspec.kernels import ExecutionPath, InPlaceLayer
+from selfspec.models import Target
+from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward
+
+from .helpers import (
+    PROMPT, BigramTreeDrafter, chi_square_p_value, chi_target, expected_joint, hf_greedy, make_tiny_target, random_eagle_dir,
+    sample_joint, without_eos,
+)
+
+pytestmark = pytest.mark.skipif(not compiler_available()[0], reason=compiler_available()[1])
+
+LONG_PROMPT = [1] + [3 + (7 * i) % 90 for i in range(40)]  # past the compiled graphs' smallest cache
+TREE = DraftTree(tokens=torch.tensor([5, 17, 33, 40, 8, 9, 11]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
+
+
+@pytest.fixture(scope="module")
+def compiled_target(tmp_path_factory):
+    """A tiny Llama on the compiled path, its packages compiled into a fresh cache directory."""
+    cache = tmp_path_factory.mktemp("selfspec-cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SELFSPEC_CACHE", str(cache))
+    messages = []
+    base = without_eos(make_tiny_target("llama", max_position_embeddings=512))
+    target = Target(model=base.model, tokenizer=None, name=base.name, _eos=(), kernels="compiled")
+    target.execution.compiled.log = messages.append
+    with torch.inference_mode(), target.execution.active():
+        pass
+    yield target, cache, messages
+    patch.undo()
+
+
+def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target):
+    target, _, messages = compiled_target
+    assert target.execution.name == "compiled" and sum("compiling" in message for message in messages) == 2
+    fast = ExecutionPath(target.model, "fast")
+    results = {}
+    with torch.inference_mode():
+        for name, path in (("fast", fast), ("compiled", target.execution)):
+            with path.active():
+                cache = path.new_cache()
+                chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
+                cached = len(LONG_PROMPT)
+                one = DraftTree.root_only(7)
+                single = tree_forward(target.model, cache, build_tree_inputs(one, cached, target.dtype, "cpu"), (0, 2))
+                compact_cache(cache, 1, (0,))
+                tree = tree_forward(target.model, cache, build_tree_inputs(TREE, cached + 1, target.dtype, "cpu"), (0, 2))
+                compact_cache(cache, TREE.size, (0, 2, 5))  # a second child wins: a gather in the in-place storage
+                results[name] = single, tree, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    for index in (0, 1):
+        torch.testing.assert_close(results["compiled"][index].logits, results["fast"][index].logits, atol=1e-4, rtol=1e-4)
+        for layer in (0, 2):
+            torch.testing.assert_close(results["compiled"][index].hidden[layer], results["fast"][index].hidden[layer],
+                                       atol=1e-4, rtol=1e-4)
+    assert results["compiled"][2][0][0].shape[-2] == len(LONG_PROMPT) + 1 + 3
+    for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][2], results["fast"][2]):
+        torch.testing.assert_close(keys, fast_keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, fast_values, atol=1e-5, rtol=1e-5)
+
+
+def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, monkeypatch):
+    target, _, _ = compiled_target
+    calls = []
+    step = target.execution.compiled
+    original = CompiledStep.__call__
+    monkeypatch.setattr(CompiledStep, "__call__", lambda self, ids, *rest: calls.append(ids.shape[1]) or original(self, ids, *rest))
+    with torch.inference_mode(), target.execution.active():
+        cache = target.new_cache()
+        chunk_forward(target.model, cache, torch.tensor([PROMPT]))  # prefill: eager
+        tree_forward(target.model, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu"))  # short cache: eager
+        compact_cache(cache, TREE.size, (0,))
+        chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
+        cached = cache.get_seq_length()
+        tree_forward(target.model, cache, build_tree_inputs(TREE, cached, target.dtype, "cpu"))
+        compact_cache(cache, TREE.size, (0,))
+        chunk_forward(target.model, cache, torch.arange(3, 83).view(1, 80))  # more rows than the tree graph takes
+    assert calls == [TREE.size] and step is target.execution.compiled
+    assert "forward" not in target.model.__dict__  # the stock forward is back outside the block
+
+
+def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_path):
+    target, _, _ = compiled_target
+    reference = hf_greedy(target, LONG_PROMPT, 40, eos=-1)
+    for spec, heads in (("none", None), ("ngram", None), ("eagle:fixed_nodes=6", random_eagle_dir(target, tmp_path))):
+        tokens, _ = speculative_generate(target, create_drafter(spec, target, heads), torch.tensor(LONG_PROMPT), 40)
+        assert list(tokens) == reference, spec
+
+
+def test_sampling_through_the_compiled_path_follows_the_target_distribution(compiled_target):
+    """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled."""
+    target = chi_target(kernels="compiled")
+    target.execution.compiled.log = lambda message: None
+    prompt = [1 + (3 * i) % 7 for i in range(24)]
+    counts = sample_joint(target, BigramTreeDrafter(target, drawn=True, without_replacement=True), 12_000, prompt)
+    assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
+
+
+def test_packages_are_compiled_once_and_then_loaded(compiled_target):
+    target, cache, _ = compiled_target
+    stored = sorted(path.name for path in compiled_module.package_dir(target.model, target.name).iterdir())
+    assert stored == ["few.pt2", "tree.pt2"]  # and no temporary file left, here or beside another model's
+    assert not [path for path in (cache / "compiled").rglob("*") if path.name.startswith(".")]
+    messages = []
+    again = CompiledStep(target.model, target.name, InPlaceLayer, log=messages.append)
+    again.load()
+    assert messages == [] and set(again.runners) == {"few", "tree"}
+    with torch.no_grad():
+        target.model.lm_head.weight[0, 0] += 1.0  # other weights: another package
+        try:
+            assert compiled_module.package_dir(target.model, target.name) != again.directory
+        finally:
+            target.model.lm_head.weight[0, 0] -= 1.0
+
+
+def test_choosing_the_compiled_path(monkeypatch):
+    model = make_tiny_target("llama").model
+    monkeypatch.delenv(COMPILE_ENV)  # the suite keeps `auto` from compiling
+    assert ExecutionPath(model, "auto").name == "stock"  # tiny: stock kernels win
+    monkeypatch.setattr("selfspec.kernels.AUTO_MIN_WEIGHTS", 0)
+    assert ExecutionPath(model, "auto").name == "compiled"
+    sliding = make_tiny_target("gemma2").model  # sliding-window layers: not covered, so fast
+    assert ExecutionPath(sliding, "auto").name == "fast" and "sliding-window" in ExecutionPath(sliding, "auto").note
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    path = ExecutionPath(model, "auto")
+    assert path.name == "fast" and COMPILE_ENV in path.note
+    monkeypatch.setattr(compiled_module.shutil, "which", lambda name: None)
+    with pytest.raises(SelfspecError, match="--kernels compiled: no C.. compiler"):
+        ExecutionPath(model, "compiled")
+
+
+def test_a_failed_compilation_leaves_the_fast_path_under_auto(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(COMPILE_ENV)
+    monkeypatch.setattr("selfspec.kernels.AUTO_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(compiled_module, "compile_step", lambda *args: (_ for _ in ()).throw(RuntimeError("no luck")))
+    target = make_tiny_target("llama")
+    with torch.inference_mode(), target.execution.active():
+        pass
+    assert target.execution.name == "fast" and "no compiled step (no luck)" in capsys.readouterr().err
+    named = ExecutionPath(target.model, "compiled", target.name)
+    named.compiled.log = lambda message: None
+    with pytest.raises(SelfspecError, match="compiling the step failed \\(no luck\\)"), named.active():
+        pass
