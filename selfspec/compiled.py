@@ -7,8 +7,9 @@ loops and compiles it into a shared library that any later process loads in abou
 - `few`: 2-3 new tokens, its products on MKL's stock kernel, which streams the weights as fast as memory allows at
   so few rows. A one-token step runs here too, with a second, dummy row that sees only itself (it costs about
   nothing: the weights are read once either way) and whose key and value are left outside the cache's length.
+  Compiled without its weights, it reads the model's own parameters (shared, not copied).
 - `tree`: 4-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
-  once for small row counts.
+  once for small row counts (that packed copy lives in the package).
 Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
 (`kernels.InPlaceLayer`), so a step copies no cache. Compiling takes about a minute per graph on a 2-core CPU, once
 per machine, model weights and software versions: the packages are stored under the selfspec cache. Prefill and
@@ -24,6 +25,7 @@ import platform
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machine
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
 GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (one row runs in `few`, padded)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 2  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+PACKAGE_FORMAT = 3  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 
 
@@ -151,11 +153,13 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
     example = _example(model, min(max(low, 6), high))
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
+    # `tree` freezes the weights (packed into the package); `few` reads the model's own (see CompiledStep.load).
+    options = {"freezing": True} if kind == "tree" else {"freezing": False, "aot_inductor.package_constants_in_so": False}
     try:
-        with torch.no_grad():  # Inductor freezes (and packs) the weights only without autograd
+        with torch.no_grad(), warnings.catch_warnings():  # Inductor freezes the weights only without autograd
+            warnings.simplefilter("ignore")  # PyTorch's own deprecation notices while tracing: not the user's concern
             program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
-            torch._inductor.aoti_compile_and_package(program, package_path=str(temp),
-                                                     inductor_configs={"freezing": kind == "tree"})
+            torch._inductor.aoti_compile_and_package(program, package_path=str(temp), inductor_configs=options)
         os.chmod(temp, 0o644)
         os.replace(temp, path)
     finally:
@@ -188,6 +192,13 @@ class CompiledStep:
                 compile_step(self.model, kind, path)
                 self.log(f"[selfspec] compiled the '{kind}' step in {time.perf_counter() - began:.0f} s")
             runners[kind] = torch._inductor.aoti_load_package(str(path))
+        # `few` was compiled without its weights: it reads the model's own parameters, shared, not copied.
+        step = _Step(self.model)
+        own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
+        needed = runners["few"].get_constant_fqns()
+        if any(name not in own for name in needed):
+            raise SelfspecError(f"the compiled step in {self.directory} expects weights this model does not have: delete it")
+        runners["few"].load_constants({name: own[name] for name in needed}, check_full_update=True, user_managed=True)
         self.runners = runners
 
     def route(self, eager):
