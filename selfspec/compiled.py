@@ -67,8 +67,8 @@ def cpu_signature() -> str:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """A digest of the model's parameters (names, shapes and a strided sample of values): a package is compiled
-    with the weights inside, so other weights (an adapter merged in, another checkpoint) need another package."""
+    """A digest of the model's parameters (names, shapes and a strided sample of values): the `tree` package carries
+    the weights packed inside, so other weights (an adapter merged in, another checkpoint) need other packages."""
     digest = hashlib.sha1()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
