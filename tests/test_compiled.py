@@ -99,6 +99,19 @@ def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_p
         assert list(tokens) == reference, spec
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma"])
+def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    base = without_eos(make_tiny_target(family, max_position_embeddings=512))
+    target = Target(model=base.model, tokenizer=None, name=base.name, _eos=(), kernels="compiled")
+    target.execution.compiled.log = lambda message: None
+    reference = hf_greedy(target, LONG_PROMPT, 30, eos=-1)
+    for spec in ("none", "ngram"):
+        tokens, _ = speculative_generate(target, create_drafter(spec, target), torch.tensor(LONG_PROMPT), 30)
+        assert list(tokens) == reference, f"{family} {spec}"
+    assert target.execution.name == "compiled" and target.execution.compiled.runners is not None
+
+
 def test_sampling_through_the_compiled_path_follows_the_target_distribution(compiled_target):
     """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled."""
     target = chi_target(kernels="compiled")
