@@ -9,6 +9,7 @@ import torch
 
 from selfspec import compiled as compiled_module
 from selfspec.compiled import COMPILE_ENV, CompiledStep, compiler_available
+from selfspec.cost import load_cost_curve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
@@ -138,7 +139,9 @@ def test_packages_are_compiled_once_and_then_loaded(compiled_target):
             target.model.lm_head.weight[0, 0] -= 1.0
 
 
-def test_choosing_the_compiled_path(monkeypatch):
+def test_choosing_the_compiled_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # no stored curve: the compiled path's own built-in one
+    assert load_cost_curve("cpu", "tiny-llama", "compiled").source == "builtin (cpu-compiled)"
     model = make_tiny_target("llama").model
     monkeypatch.delenv(COMPILE_ENV)  # the suite keeps `auto` from compiling
     assert ExecutionPath(model, "auto").name == "stock"  # tiny: stock kernels win
