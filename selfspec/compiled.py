@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
 import sys
 import time
@@ -35,7 +34,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import SelfspecError
-from .files import cache_root
+from .files import cache_root, cpu_signature
 
 COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machines where a minute matters)
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
@@ -54,16 +53,6 @@ def compiler_available(model: torch.nn.Module | None = None) -> tuple[bool, str]
     if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
         return False, "no C++ compiler (g++) on this machine"
     return True, ""
-
-
-def cpu_signature() -> str:
-    """The CPU model and instruction sets: compiled code and measured curves belong to one kind of CPU."""
-    text = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            lines = [line for line in handle.read().splitlines() if line.startswith(("model name", "flags"))]
-        text = "\n".join(sorted(set(lines)))
-    return hashlib.sha1((text or platform.processor() or platform.machine()).encode()).hexdigest()[:10]
 
 
 def weights_digest(model: torch.nn.Module) -> str:

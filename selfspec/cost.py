@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .files import atomic_write_text
+from .files import atomic_write_text, cpu_signature
 from .kernels import ExecutionPath
 from .models import Target, cache_root
 
@@ -106,7 +106,7 @@ def device_key(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return "cuda-" + torch.cuda.get_device_name(device).replace(" ", "_")
-    return f"cpu-{torch.get_num_threads()}threads"
+    return f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads"
 
 
 def profile_path(device: torch.device | str, model_name: str, kernels: str = "stock") -> Path:

@@ -6,7 +6,10 @@ sees the old file or the new one and an interruption leaves nothing half-written
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
+import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +19,18 @@ from typing import Callable, Iterator
 def cache_root() -> Path:
     """Where selfspec keeps converted models and machine profiles ($SELFSPEC_CACHE, else ~/.cache/selfspec)."""
     return Path(os.environ.get("SELFSPEC_CACHE", "~/.cache/selfspec")).expanduser()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_signature() -> str:
+    """A short hash of the CPU model and its instruction sets, for cache keys: compiled code, measured cost curves and
+    kernel splits belong to one kind of CPU (a home directory shared between machines must not mix them)."""
+    text = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            lines = [line for line in handle.read().splitlines() if line.startswith(("model name", "flags"))]
+        text = "\n".join(sorted(set(lines)))
+    return hashlib.sha1((text or platform.processor() or platform.machine()).encode()).hexdigest()[:10]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:

@@ -44,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .errors import SelfspecError
-from .files import atomic_write_text, cache_root
+from .files import atomic_write_text, cache_root, cpu_signature
 
 KERNEL_CHOICES = ("auto", "stock", "fast", "compiled")
 _PACK_ROWS = 16  # the batch size oneDNN packs for: the tree sizes that matter on a CPU
@@ -304,7 +304,7 @@ def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module]) -> None:
         return
     shapes = sorted(tuple(module.weight.shape) for module in modules)
     signature = hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]
-    path = cache_root() / "profiles" / f"cpu-{torch.get_num_threads()}threads--linears-{signature}--stock-rows.json"
+    path = cache_root() / "profiles" / f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads--linears-{signature}--stock-rows.json"
     if path.is_file():
         dispatch.stock_rows, dispatch.source = int(json.loads(path.read_text())["stock_rows"]), str(path)
         return
