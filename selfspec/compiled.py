@@ -35,6 +35,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import SelfspecError
 from .files import cache_root, cpu_signature
+from .tree_attention import causal_block_mask
 
 COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machines where a minute matters)
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
@@ -114,11 +115,6 @@ class _Step(torch.nn.Module):
         return output.logits, tuple(output.hidden_states)
 
 
-def chain_mask(rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, rows, rows] additive causal mask."""
-    return torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype).triu(1).view(1, 1, rows, rows)
-
-
 def _example(model: torch.nn.Module, rows: int) -> tuple:
     config = model.config
     dtype = next(model.parameters()).dtype
@@ -126,7 +122,7 @@ def _example(model: torch.nn.Module, rows: int) -> tuple:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     stores = [torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
     positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows)
-    return (torch.zeros(1, rows, dtype=torch.long), positions, chain_mask(rows, dtype), torch.empty(0, _EXAMPLE_CACHED),
+    return (torch.zeros(1, rows, dtype=torch.long), positions, causal_block_mask(0, rows, dtype, "cpu"), torch.empty(0, _EXAMPLE_CACHED),
             stores, [store.clone() for store in stores])
 
 
@@ -147,6 +143,9 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
     try:
         with torch.no_grad(), warnings.catch_warnings():  # Inductor freezes the weights only without autograd
             warnings.simplefilter("ignore")  # PyTorch's own deprecation notices while tracing: not the user's concern
+            # Non-strict export traces the stock forward as Python runs it (no weights are loaded here: `strict`
+            # is torch.export's tracing mode, not state-dict strictness); the strict, dynamo-based mode does not
+            # get through transformers' cache objects.
             program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
             torch._inductor.aoti_compile_and_package(program, package_path=str(temp), inductor_configs=options)
         os.chmod(temp, 0o644)
@@ -222,7 +221,7 @@ class CompiledStep:
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
         if attention_mask is None:  # a chain: causal among the new tokens
-            tree_mask = chain_mask(n, dtype)
+            tree_mask = causal_block_mask(0, n, dtype, input_ids.device)
         elif attention_mask.dim() == 4 and attention_mask.shape[-2:] == (n, cached + n):
             tree_mask = attention_mask[..., cached:]
         else:
