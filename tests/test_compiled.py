@@ -113,9 +113,10 @@ def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family
     assert target.execution.name == "compiled" and target.execution.compiled.runners is not None
 
 
-def test_sampling_through_the_compiled_path_follows_the_target_distribution(compiled_target):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sampling_through_the_compiled_path_follows_the_target_distribution(compiled_target, family):
     """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled."""
-    target = chi_target(kernels="compiled")
+    target = chi_target(kernels="compiled", family=family)
     target.execution.compiled.log = lambda message: None
     prompt = [1 + (3 * i) % 7 for i in range(24)]
     counts = sample_joint(target, BigramTreeDrafter(target, drawn=True, without_replacement=True), 12_000, prompt)
