@@ -6,6 +6,10 @@ autoregressively and stops when its top-1 probability falls under a threshold th
 rate; where it is unsure it can add its top-2 token as a sibling leaf. Its KV cache holds only the layers it runs,
 for the committed tokens and the chain it drafted; after verification it is cut back to what was committed.
 
+A draft token costs a forward through most of the target, so the drafter times its own one-token forwards against
+the target's plain step (`DraftCost`): where one costs a whole plain step or more, no draft token can pay for itself
+(it is accepted at most once), and it stops drafting for good (`dormant`) instead of paying probes forever.
+
 Skip sets are data: `selfspec tune layerskip` searches them (Optuna) and writes a JSON file keyed by the model's
 fingerprint, which this drafter finds by itself. `skip=every-other` uses the hand-made baseline instead.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +176,46 @@ class SkippingForward:
         return draft_ids if self.draft_vocab is None else self.draft_vocab.to(draft_ids.device)[draft_ids]
 
 
+class DraftCost:
+    """What one draft token costs on this machine and path, in plain target steps: running means of the drafter's
+    one-token forwards (seconds) and of the target's plain step (its verification forward scaled down by the cost
+    curve). A property of the machine, not of a request: it is kept across requests."""
+
+    MIN_SAMPLES = 4  # one-token draft forwards timed before any verdict
+    DECAY = 0.8  # weight of the older timings
+
+    def __init__(self) -> None:
+        self.draft_s: float | None = None
+        self.plain_s: float | None = None
+        self.samples = 0
+
+    @classmethod
+    def _mean(cls, old: float | None, new: float) -> float:
+        return new if old is None else cls.DECAY * old + (1 - cls.DECAY) * new
+
+    def drafted(self, seconds: float, forwards: int) -> None:
+        if forwards > 0:
+            self.draft_s = self._mean(self.draft_s, seconds / forwards)
+            self.samples += forwards
+
+    def verified(self, forward_s: float, relative_cost: float) -> None:
+        if forward_s > 0:
+            self.plain_s = self._mean(self.plain_s, forward_s / relative_cost)
+
+    @property
+    def steps_per_token(self) -> float | None:
+        """One draft forward in plain target steps; None until measured."""
+        if self.draft_s is None or self.plain_s is None or self.samples < self.MIN_SAMPLES:
+            return None
+        return self.draft_s / self.plain_s
+
+    @property
+    def dormant(self) -> bool:
+        """A draft forward costs a plain step or more: even a token that is always accepted does not pay for it."""
+        cost = self.steps_per_token
+        return cost is not None and cost >= 1.0
+
+
 @register_drafter("layerskip", options=LayerSkipOptions, config=LayerSkipSettings)
 class LayerSkipDrafter(Drafter):
     def __init__(self, target: Target, cost_curve: CostCurve, settings: LayerSkipSettings,
@@ -179,6 +224,7 @@ class LayerSkipDrafter(Drafter):
         self.settings = settings
         self.adaptive = options.adaptive
         self.forward = SkippingForward(target, SkipPlan.from_settings(settings, target.config.num_hidden_layers), draft_vocab)
+        self.draft_cost = DraftCost()  # kept across requests
         self.reset()
 
     @classmethod
@@ -210,6 +256,8 @@ class LayerSkipDrafter(Drafter):
             self.committed.extend(observation.new_tokens)
             if observation.tree is not None and observation.tree.size > 1:  # a step it drafted for
                 self._adapt(len(observation.result.accepted_path) - 1)
+            if observation.tree is not None:
+                self.draft_cost.verified(observation.forward_s, self.cost_curve.cost(observation.tree.size))
         # Keep the draft KV of the longest prefix the committed text shares with what the draft cache holds.
         keep = 0
         for cached_token, committed_token in zip(self.cached, self.committed):
@@ -239,15 +287,18 @@ class LayerSkipDrafter(Drafter):
     def propose(self, request: DraftRequest) -> DraftTree:
         self.drafted = 0
         limit = min(self.settings.max_draft, request.max_depth)
-        if limit <= 0:
+        if limit <= 0 or (request.pace and self.draft_cost.dormant):
             return DraftTree.root_only(request.root_token)
         tokens, parents = [request.root_token], [-1]
         chain_node = 0  # the deepest chain node so far; sibling leaves are never continued
+        single_start, singles = 0.0, 0  # the one-token draft forwards after the catch-up, timed (DraftCost)
         with torch.inference_mode():
             logits = self._draft_logits(self.committed[len(self.cached):])  # the root, and any token not yet seen
             for depth in range(1, limit + 1):
                 top = torch.softmax(logits.float(), dim=-1).topk(2)
                 top_probs = top.values.tolist()  # one host sync per drafted token
+                if depth == 1:
+                    single_start = time.perf_counter()
                 if top_probs[0] < self.threshold:
                     break
                 top_ids = self.forward.to_target_ids(top.indices).tolist()
@@ -262,6 +313,8 @@ class LayerSkipDrafter(Drafter):
                 if depth == limit:
                     break
                 logits = self._draft_logits([top_ids[0]])
+                singles += 1
+        self.draft_cost.drafted(time.perf_counter() - single_start, singles)
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
 
