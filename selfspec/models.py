@@ -208,9 +208,21 @@ def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = No
     else:
         raise SelfspecError(f"model path '{spec}' does not exist: pass a checkpoint directory, a .gguf file, or 'default'")
     model.to(device).eval()
+    if torch.device(device).type == "cpu":
+        _own_memory(model)
     target = Target(model=model, tokenizer=tokenizer, name=name, kernels=kernels)
     target.execution  # noqa: B018  (checks the kernels choice now, before any generation)
     return target
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy the weights out of the checkpoint file's memory map into the process's own memory. transformers leaves a
+    float32 checkpoint's tensors as views of the mapped safetensors file; every decoding step streams all the weights,
+    and from the file's page-cache pages that measured 49 ms a one-token step against 33 ms from a copy (SmolLM2-135M,
+    2-core Xeon, the same process). Shared (tied) parameters stay shared: each is copied once."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
 
 
 def _looks_like_hub_id(spec: str) -> bool:

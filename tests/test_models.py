@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from selfspec import SelfspecError, load_target
@@ -15,6 +17,20 @@ def test_load_checkpoint_directory(tiny_checkpoint):
     assert target.encode_prompt("the cat sat", chat=False).shape[1] < ids.shape[1]
     assert target.fingerprint.architecture == "LlamaForCausalLM"
     assert target.fingerprint == load_target(tiny_checkpoint, device="cpu").fingerprint
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_weights_are_copied_out_of_the_checkpoint_files_memory_map(tiny_checkpoint):
+    target = load_target(tiny_checkpoint, device="cpu")
+    mapped = []  # address ranges where the checkpoint's safetensors file is mapped into this process
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(".safetensors") and str(tiny_checkpoint) in line:
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            mapped.append((start, end))
+    tensors = [*target.model.parameters(), *target.model.buffers()]
+    assert not [t for t in tensors for start, end in mapped if start <= t.data_ptr() < end]
+    model = target.model  # tied weights stay tied
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight or not model.config.tie_word_embeddings
 
 
 def test_fingerprint_differences():
