@@ -166,6 +166,43 @@ def test_sources_keep_their_own_state_when_another_source_wins(tmp_path, oracle_
     assert auto.accepted_by_source["eagle"] < auto.accepted_by_source["oracle-source"]
 
 
+class _Twin(_Oracle):
+    """A second oracle: the same trees as the first."""
+
+
+def _earnings(auto) -> dict[str, list[float]]:
+    """Spy on what each source is credited with, window step by window step."""
+    earned = {name: [] for name in auto.sources}
+    for name, pacing in auto.source_pacing.items():
+        def record(tokens, cost, name=name, record=pacing.record):
+            earned[name].append(tokens)
+            record(tokens, cost)
+        pacing.record = record
+    return earned
+
+
+def test_a_source_earns_only_the_accepted_tokens_no_other_source_proposed(tmp_path, oracle_source):
+    register_drafter("oracle-twin")(_Twin)
+    try:
+        target = without_eos(make_tiny_target("llama"))
+        reference = hf_greedy(target, PROMPT, 24, eos=-1)
+        _Oracle.full = list(PROMPT) + reference
+        twins = create_drafter("auto:sources=oracle-source+oracle-twin", target)
+        twins.cost_curve = FLAT
+        earned = _earnings(twins)
+        tokens, stats = speculative_generate(target, twins, torch.tensor(PROMPT), 24)
+        assert list(tokens) == reference and max(stats.accepted_lengths) > 2
+        # Either twin alone would have proposed every accepted token: neither adds anything to the other.
+        assert earned["oracle-source"] and not any(sum(credits) for credits in earned.values())
+        with_eagle = create_drafter("auto:sources=oracle-source+eagle", target, random_eagle_dir(target, tmp_path / "h"))
+        with_eagle.cost_curve = FLAT
+        earned = _earnings(with_eagle)
+        tokens, _ = speculative_generate(target, with_eagle, torch.tensor(PROMPT), 24)
+        assert list(tokens) == reference and sum(earned["oracle-source"]) > 10  # a random head finds none of them
+    finally:
+        unregister_drafter("oracle-twin")
+
+
 def test_bad_sources_are_one_line_errors(tmp_path):
     target = make_tiny_target("llama")
     with pytest.raises(SelfspecError, match="unknown drafter 'nope'"):

@@ -87,8 +87,9 @@ class SourceRates:
 
 class SourcePacing:
     """Whether a source pays, by the rule the decoding loop applies to a whole drafter (cost.PAUSE_RULE): over
-    windows of asked steps, the source's drafting time in plain target steps against the tokens it earned (an
-    accepted token its tree alone held counts 1; one that k sources proposed, 1/k each). A window that cost more
+    windows of asked steps, the source's drafting time in plain target steps against the tokens it earned: the
+    accepted tokens no other asked source proposed (what the tree would have lacked without it; a token two sources
+    proposed would have been there anyway). A window that cost more
     than it earned skips the source for as many steps as keep that loss within the rule's share of the time; a
     source that costs next to nothing (prompt lookup) is skipped a step at most. What is left of a skip carries over
     to the next request."""
@@ -271,11 +272,10 @@ class AutoDrafter(Drafter):
         accepted = set(result.accepted_path)
         # One plain target step, in seconds: the verification forward scaled down by the cost curve.
         unit_s = observation.forward_s / self.cost_curve.cost(observation.tree.size) if observation.forward_s > 0 else 0.0
-        won = {name: accepted.intersection(proposal.merged) - {0} for name, proposal in self.proposals.items()}
-        owners: dict[int, int] = {}  # accepted merged node -> how many sources proposed it
-        for nodes in won.values():
-            for node in nodes:
-                owners[node] = owners.get(node, 0) + 1
+        proposers: dict[int, int] = {}  # merged node -> how many of the asked sources proposed it
+        for proposal in self.proposals.values():
+            for node in set(proposal.merged) - {-1, 0}:
+                proposers[node] = proposers.get(node, 0) + 1
         for name, source in self.sources.items():
             proposal = self.proposals.get(name)
             if proposal is None:
@@ -286,7 +286,8 @@ class AutoDrafter(Drafter):
             self.accepted_by_source[name] += own_tokens
             self._learn(name, proposal, own.result.accepted_path)
             if unit_s > 0 and self.paced:
-                earned = sum(1.0 / owners[node] for node in won[name])
+                # What the tree would have lacked without it: accepted nodes no other asked source proposed.
+                earned = sum(1 for node in accepted.intersection(proposal.merged) if node > 0 and proposers[node] == 1)
                 self.source_pacing[name].record(earned, proposal.seconds / unit_s)
             source.observe(own)
         self.proposals = {}
