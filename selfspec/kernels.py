@@ -43,6 +43,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .compiled import COMPILE_ENV, CompiledStep, compiler_available
 from .errors import SelfspecError
 from .files import atomic_write_text, cache_root, cpu_signature
 
@@ -322,8 +323,6 @@ class ExecutionPath:
     ahead of time: selfspec.compiled), or 'auto' (the best of these that exists here)."""
 
     def __init__(self, model: torch.nn.Module, kernels: str = "auto", model_name: str = "model"):
-        from .compiled import COMPILE_ENV, CompiledStep, compiler_available
-
         if kernels not in KERNEL_CHOICES:
             raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
         parameter = next(model.parameters())
