@@ -44,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .compiled import COMPILE_ENV, CompiledStep, compiler_available
-from .errors import SelfspecError
+from .errors import SelfspecError, first_line
 from .files import atomic_write_text, cache_root, cpu_signature
 
 KERNEL_CHOICES = ("auto", "stock", "fast", "compiled")
@@ -403,7 +403,7 @@ class ExecutionPath:
         except (KeyboardInterrupt, SelfspecError):
             raise
         except Exception as error:  # noqa: BLE001  (export and C++ compilation fail in many ways)
-            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            reason = first_line(error)[:200]
             if self.requested == "compiled":
                 raise SelfspecError(f"--kernels compiled: compiling the step failed ({reason}); use --kernels fast") from None
             print(f"[selfspec] no compiled step ({reason}): the fast path runs", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .errors import SelfspecError
+from .errors import SelfspecError, first_line
 from .files import cache_root
 from .kernels import KERNEL_CHOICES, ExecutionPath
 
@@ -241,11 +241,6 @@ def _check_safetensors(directory: Path) -> None:
             raise SelfspecError(f"corrupt safetensors file '{file}': {str(error).splitlines()[0]}; re-create or re-download it") from None
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _load_checkpoint_dir(directory: Path, dtype: torch.dtype):
     if not (directory / "config.json").is_file():
         raise SelfspecError(f"'{directory}' is not a Hugging Face checkpoint (no config.json): pass a checkpoint directory or a .gguf file")
@@ -253,7 +248,7 @@ def _load_checkpoint_dir(directory: Path, dtype: torch.dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, RuntimeError, KeyError) as error:
-        raise SelfspecError(f"could not load the model in '{directory}': {_first_line(error)}") from None
+        raise SelfspecError(f"could not load the model in '{directory}': {first_line(error)}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, TypeError):
@@ -266,7 +261,7 @@ def _load_gguf(file: Path, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype)
     except (OSError, ValueError, RuntimeError, KeyError) as error:
-        raise SelfspecError(f"could not load the GGUF file '{file}': {_first_line(error)}") from None
+        raise SelfspecError(f"could not load the GGUF file '{file}': {first_line(error)}") from None
     _drop_quantization_marker(model)
     return model, tokenizer
 
@@ -286,7 +281,7 @@ def _load_from_hf_cache(hub_id: str, dtype: torch.dtype):
     except (OSError, ValueError) as error:
         raise SelfspecError(
             f"'{hub_id}' is not a local path and no offline copy is in the Hugging Face cache "
-            f"(selfspec never downloads): put the checkpoint in a directory and pass its path ({_first_line(error)})"
+            f"(selfspec never downloads): put the checkpoint in a directory and pass its path ({first_line(error)})"
         ) from None
     return model, tokenizer
 
