@@ -49,7 +49,7 @@ from .helpers import (
     without_eos,
 )
 
-BUILTIN = {"none", "ngram", "medusa", "eagle", "eagle3", "dflash", "layerskip", "auto"}
+BUILTIN = {"none", "ngram", "history", "medusa", "eagle", "eagle3", "dflash", "layerskip", "auto"}
 CHI_PROMPT = [5, 3, 5]  # a prefill for the heads' hidden states, and a repeat for prompt lookup to copy
 CHI_SAMPLES = 4_000
 
@@ -80,11 +80,13 @@ class Case:
     greedy_options: tuple[dict, ...] = ({},)
     chi_options: dict = field(default_factory=dict)
     drafts: bool | None = None  # whether it proposes anything on the test prompts (None: not checked)
+    primed: bool = False  # serve one request first (a drafter that learns across requests drafts nothing in its first)
 
 
 CASES: dict[str, Case] = {
     "none": Case(drafts=False),
     "ngram": Case(greedy_options=({}, {"max_candidates": 1, "max_draft": 2}), drafts=True),
+    "history": Case(greedy_options=({}, {"max_candidates": 1, "max_draft": 2}, {"min_ngram": 1}), drafts=True, primed=True),
     "medusa": Case(
         make_artifacts=lambda target, path, reduced: random_medusa_dir(target, path, draft_vocab=_half(target) if reduced else None),
         resave=_resave_head("medusa"),
@@ -158,6 +160,8 @@ def check_greedy(name: str, family: str, tmp_path: Path, kernels: str = "fast") 
     for reduced in (False, True) if case.make_artifacts else (False,):
         for options in case.greedy_options:
             drafter = build(name, target, tmp_path, reduced, **options)
+            if case.primed:  # a request that shares the prompt's tail but not its output
+                speculative_generate(target, drafter, torch.tensor(PROMPT[len(PROMPT) // 2 :]), 12)
             tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
             assert list(tokens) == reference, f"{name} {family} reduced={reduced} {options}"
             if case.drafts is not None:

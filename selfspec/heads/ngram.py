@@ -1,8 +1,8 @@
 """`ngram` (prompt lookup): zero parameters; copies continuations of the latest n-gram out of the context.
 
-The context's n-grams are indexed incrementally (n = min_ngram..max_ngram), so a lookup is a dict access. The
-continuations that follow the most recent matches of the longest matching n-gram become the paths of a trie.
-Draft length follows the machine's cost curve and a running estimate of how often drafted tokens are accepted.
+The context's n-grams are indexed incrementally (n = min_ngram..max_ngram, `TokenIndex`), so a lookup is a dict
+access. The continuations that follow the most recent matches of the longest matching n-gram become the paths of a
+trie. Draft length follows the machine's cost curve and a running estimate of how often drafted tokens are accepted.
 """
 
 from __future__ import annotations
@@ -29,11 +29,52 @@ class NgramOptions:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise SelfspecError(f"ngram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+            raise SelfspecError(f"{self.drafter} sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
         if self.max_candidates < 1 or self.max_draft < 1:
-            raise SelfspecError("ngram: max_candidates and max_draft must be >= 1")
+            raise SelfspecError(f"{self.drafter}: max_candidates and max_draft must be >= 1")
         if not 0.0 <= self.prior_acceptance <= 1.0:
-            raise SelfspecError(f"ngram: prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
+            raise SelfspecError(f"{self.drafter}: prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
+
+    @property
+    def drafter(self) -> str:
+        """The drafter these options belong to (in error messages)."""
+        return "ngram"
+
+
+class TokenIndex:
+    """Tokens with an index of their n-grams (n in `sizes`): n-gram -> the positions right after its occurrences,
+    oldest first."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.sizes = sizes  # longest first
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens) -> None:
+        for token in tokens:
+            end = len(self.tokens)
+            for n in self.sizes:
+                if end >= n:
+                    self.index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+            self.tokens.append(token)
+
+    def continuations(self, context: list[int], depth: int, max_paths: int) -> list[list[int]]:
+        """Up to `max_paths` continuations (at most `depth` tokens) of the longest n-gram that ends `context`, one per
+        distinct next token, the most recent occurrences first; then those of shorter n-grams for other next tokens
+        (longer matches predict better than the shorter ones after them)."""
+        paths: list[list[int]] = []
+        seen_first: set[int] = set()
+        for n in self.sizes:
+            if len(context) < n:
+                continue
+            for start in reversed(self.index.get(tuple(context[-n:]), ())):
+                path = self.tokens[start : start + depth]
+                if path and path[0] not in seen_first:  # one branch per distinct next token
+                    seen_first.add(path[0])
+                    paths.append(path)
+                    if len(paths) == max_paths:
+                        return paths
+        return paths
 
 
 @register_drafter("ngram", options=NgramOptions)
@@ -51,38 +92,27 @@ class NgramDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.context: list[int] = []
-        # n-gram -> positions right after its occurrences, oldest first
-        self.index: dict[tuple[int, ...], list[int]] = {}
+        self.lookup = TokenIndex(self.ngram_sizes)  # the request's tokens so far, indexed
+        self._reset_acceptance()
+
+    def _reset_acceptance(self) -> None:
         self.accepted_weight = self.prior_acceptance * 4
         self.attempted_weight = 4.0
+
+    @property
+    def context(self) -> list[int]:
+        """The request's tokens so far (prompt and output)."""
+        return self.lookup.tokens
 
     @property
     def acceptance(self) -> float:
         return self.accepted_weight / self.attempted_weight
 
     def _append(self, tokens: tuple[int, ...]) -> None:
-        for token in tokens:
-            end = len(self.context)
-            for n in self.ngram_sizes:
-                if end >= n:
-                    self.index.setdefault(tuple(self.context[end - n : end]), []).append(end)
-            self.context.append(token)
+        self.lookup.extend(tokens)
 
     def _candidate_paths(self, depth: int) -> list[list[int]]:
-        paths: list[list[int]] = []
-        seen_first: set[int] = set()
-        for n in self.ngram_sizes:
-            if len(self.context) < n:
-                continue
-            for start in reversed(self.index.get(tuple(self.context[-n:]), ())):
-                path = self.context[start : start + depth]
-                if path and path[0] not in seen_first:  # one branch per distinct next token
-                    seen_first.add(path[0])
-                    paths.append(path)
-                    if len(paths) == self.max_candidates:
-                        return paths
-        return paths  # longest n-gram matches first: they predict better than the shorter ones after them
+        return self.lookup.continuations(self.context, depth, self.max_candidates)
 
     def propose(self, request: DraftRequest) -> DraftTree:
         depth = self.cost_curve.best_chain_length(self.acceptance, min(self.max_draft, request.max_depth))

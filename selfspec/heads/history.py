@@ -1,0 +1,76 @@
+"""`history`: zero parameters; copies continuations out of the requests this drafter served before.
+
+Prompt lookup (`ngram`) sees only the current request. A deployment answers many similar ones: replies open and
+close alike, code repeats its idioms, a prompt quotes what an earlier reply wrote. This drafter keeps the prompts and
+outputs of its earlier requests (the newest `max_tokens` of them) in an n-gram index and, at each step, copies what
+followed the longest n-gram (at least `min_ngram` tokens: across unrelated text a one-token match predicts little)
+that ends the current request; the most recent occurrences first, one branch per distinct next token. This is the
+idea of SuffixDecoding (Oliaro et al., 2024), over an n-gram index rather than a suffix tree.
+
+A request joins the history when the next one starts (`reset`), so the first request of a process drafts nothing.
+Draft length follows the cost curve and the running acceptance estimate, as `ngram`'s does; `auto` asks it beside
+`ngram` and the heads, and credits it only with the accepted tokens no other source proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cost import CostCurve
+from ..errors import SelfspecError
+from ..models import Target
+from .base import register_drafter
+from .ngram import NgramDrafter, NgramOptions, TokenIndex
+
+
+@dataclass(frozen=True)
+class HistoryOptions(NgramOptions):
+    max_ngram: int = 6
+    min_ngram: int = 2
+    prior_acceptance: float = 0.3  # earlier requests predict this one less often than its own context does
+    max_tokens: int = 65536  # tokens of earlier requests kept (the newest); the index costs ~100 bytes a token per n
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_tokens < 1:
+            raise SelfspecError(f"history: max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def drafter(self) -> str:
+        return "history"
+
+
+@register_drafter("history", options=HistoryOptions)
+class HistoryDrafter(NgramDrafter):
+    def __init__(self, target: Target, cost_curve: CostCurve, options: HistoryOptions = HistoryOptions()):
+        self.max_tokens = options.max_tokens
+        self.request_tokens: list[int] = []
+        self.history = TokenIndex(tuple(range(options.max_ngram, options.min_ngram - 1, -1)))
+        super().__init__(target, cost_curve, options)
+
+    def reset(self) -> None:
+        """The request just served joins the history; the acceptance estimate starts again from the prior."""
+        self._remember(self.request_tokens)
+        self.request_tokens = []
+        self._reset_acceptance()
+
+    def _remember(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        if len(self.history.tokens) + len(tokens) > self.max_tokens:
+            # Re-index the newest three quarters of the cap: a rebuild now and then, not one per request.
+            kept = (self.history.tokens + tokens)[-(self.max_tokens * 3 // 4 or 1) :]
+            self.history = TokenIndex(self.history.sizes)
+            self.history.extend(kept)
+            return
+        self.history.extend(tokens)
+
+    @property
+    def context(self) -> list[int]:
+        return self.request_tokens
+
+    def _append(self, tokens: tuple[int, ...]) -> None:
+        self.request_tokens.extend(tokens)
+
+    def _candidate_paths(self, depth: int) -> list[list[int]]:
+        return self.history.continuations(self.request_tokens, depth, self.max_candidates)
