@@ -213,7 +213,7 @@ def test_bad_sources_are_one_line_errors(tmp_path):
         create_drafter("auto:sources=ngram", target, random_eagle_dir(target, tmp_path / "h"))
     with pytest.raises(SelfspecError, match="holds no drafter's heads"):
         create_drafter("auto", target, tmp_path)
-    assert list(create_drafter("auto", target).sources) == ["ngram"]  # no heads for this model: lookup alone
+    assert list(create_drafter("auto", target).sources) == ["ngram", "history"]  # no heads for this model: the lookups alone
 
 
 @pytest.mark.parametrize("heldout, joins", [(1.1, False), (1.5, True), (None, True)])
@@ -238,7 +238,7 @@ def test_dflash_joins_auto_only_when_asked(tmp_path, monkeypatch):
     heads = random_dflash_dir(target, tmp_path / "dflash-tiny")
     (heads / artifacts.REPORT).write_text(json.dumps({"heldout": {"mean_accepted_length": 2.0}}))
     assert "dflash" not in create_drafter("auto", target).sources  # shipped, and well above MIN_HELDOUT_TAU
-    assert list(create_drafter("auto", target, heads).sources) == ["ngram", "dflash"]
+    assert list(create_drafter("auto", target, heads).sources) == ["ngram", "history", "dflash"]
     assert list(create_drafter("auto:sources=ngram+dflash", target).sources) == ["ngram", "dflash"]
     assert list(create_drafter("auto:sources=ngram+history", target).sources) == ["ngram", "history"]
 
