@@ -1,6 +1,6 @@
 """Drafters, one module each. Importing this package registers every built-in drafter."""
 
-from . import auto, dflash, eagle, history, layerskip, medusa, ngram, none  # noqa: F401  (registration side effect)
+from . import auto, dflash, eagle, layerskip, lookup, medusa, none  # noqa: F401  (registration side effect)
 from .base import (
     DraftRequest,
     Drafter,

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost import CostCurve
-from ..errors import SelfspecError
-from ..models import Target
-from .base import register_drafter
+from ...cost import CostCurve
+from ...errors import SelfspecError
+from ...models import Target
+from ..base import register_drafter
 from .ngram import NgramDrafter, NgramOptions, TokenIndex
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost import CostCurve
-from ..errors import SelfspecError
-from ..models import Target
-from ..tree_attention import DraftTree
-from .base import DraftRequest, Drafter, Observation, register_drafter
+from ...cost import CostCurve
+from ...errors import SelfspecError
+from ...models import Target
+from ...tree_attention import DraftTree
+from ..base import DraftRequest, Drafter, Observation, register_drafter
 
 _DECAY = 0.9  # weight of history in the running acceptance estimate
 _RECOVERY = 0.05  # per step without a draft, the share of the gap to the prior the estimate closes
