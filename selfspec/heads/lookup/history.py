@@ -15,6 +15,7 @@ Draft length follows the cost curve and the running acceptance estimate, as `ngr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...cost import CostCurve
 from ...errors import SelfspecError
@@ -25,6 +26,7 @@ from .ngram import NgramDrafter, NgramOptions, TokenIndex
 
 @dataclass(frozen=True)
 class HistoryOptions(NgramOptions):
+    drafter: ClassVar[str] = "history"
     max_ngram: int = 6
     min_ngram: int = 2
     prior_acceptance: float = 0.3  # earlier requests predict this one less often than its own context does
@@ -34,10 +36,6 @@ class HistoryOptions(NgramOptions):
         super().__post_init__()
         if self.max_tokens < 1:
             raise SelfspecError(f"history: max_tokens must be >= 1, got {self.max_tokens}")
-
-    @property
-    def drafter(self) -> str:
-        return "history"
 
 
 @register_drafter("history", options=HistoryOptions)

@@ -8,6 +8,7 @@ trie. Draft length follows the machine's cost curve and a running estimate of ho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...cost import CostCurve
 from ...errors import SelfspecError
@@ -21,6 +22,7 @@ _RECOVERY = 0.05  # per step without a draft, the share of the gap to the prior 
 
 @dataclass(frozen=True)
 class NgramOptions:
+    drafter: ClassVar[str] = "ngram"  # whose options these are (in error messages)
     max_ngram: int = 4  # longest n-gram looked up (longer matches first)
     min_ngram: int = 1
     max_candidates: int = 3  # continuations (tree branches) per step
@@ -34,11 +36,6 @@ class NgramOptions:
             raise SelfspecError(f"{self.drafter}: max_candidates and max_draft must be >= 1")
         if not 0.0 <= self.prior_acceptance <= 1.0:
             raise SelfspecError(f"{self.drafter}: prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
-
-    @property
-    def drafter(self) -> str:
-        """The drafter these options belong to (in error messages)."""
-        return "ngram"
 
 
 class TokenIndex:
