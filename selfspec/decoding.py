@@ -16,7 +16,7 @@ from .cost import PAUSE_RULE
 from .errors import SelfspecError
 from .heads.base import DraftRequest, Drafter, Observation
 from .models import Target
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, StepDraws
 from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
 
@@ -124,8 +124,10 @@ class DraftPacer:
         self._window_steps = 0
 
 
-def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
     """Check the request up front; returns input_ids as [1, L] long on the target's device."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SelfspecError(f"seed must be an integer, got {seed!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise SelfspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -158,8 +160,10 @@ def speculative_generate(
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens.
     `pace`: pause drafting while it does not pay (DraftPacer, or the drafter's own pacing when it paces itself);
-    False asks the drafter for a tree at every step."""
-    input_ids = validate_request(target, input_ids, max_new_tokens)
+    False asks the drafter for a tree at every step. When sampling, `seed` fixes the text: the token at output
+    position t is drawn with a uniform keyed on (seed, t) (see StepDraws), so every drafter whose children are
+    deterministic emits what plain sampling with that seed emits."""
+    input_ids = validate_request(target, input_ids, max_new_tokens, seed)
     model, device, eos = target.model, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     committed: list[int] = input_ids[0].tolist()
@@ -193,7 +197,7 @@ def speculative_generate(
             inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
             output = tree_forward(model, cache, inputs, drafter.hidden_layers)
             # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
-            result = verify(tree, output.logits, sampling, generator)
+            result = verify(tree, output.logits, sampling, StepDraws(seed, len(new_tokens), generator))
             forward_s = time.perf_counter() - forward_start
             # 5. Commit, stopping at EOS anywhere inside the emitted tokens; keep only the accepted path's KV.
             emitted = result.emitted

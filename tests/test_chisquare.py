@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 
 import selfspec.tree_attention.verifier as verify_module
+from selfspec.sampling import StepDraws, position_uniform
 
 from .helpers import BigramTreeDrafter, chi_square_p_value, chi_target, expected_joint, sample_joint
 
 SAMPLES = 30_000
+
 
 @pytest.fixture(scope="module")
 def target():
@@ -36,20 +38,12 @@ def test_sampled_pairs_follow_target_distribution(target, drawn, without_replace
 
 @pytest.mark.parametrize("drawn", [False, True], ids=["deterministic-children", "drawn"])
 def test_broken_verifier_is_caught(target, monkeypatch, drawn):
-    # The classic bug: after a rejection, keep drawing from the full p instead of the residual.
     if drawn:
+        # The classic bug: after a rejection, keep drawing from the full p instead of the residual.
         monkeypatch.setattr(verify_module, "_renormalise", lambda residual, fallback: fallback)
     else:
-        monkeypatch.setattr(verify_module, "_without", lambda p, removed: p)
-        monkeypatch.setattr(verify_module, "_try_deterministic", _forgetful_deterministic)
+        # The uniform keyed on the step instead of the output position: the tokens one step emits share it.
+        monkeypatch.setattr(StepDraws, "uniform", lambda self, depth: position_uniform(self.seed, self.position))
     counts = sample_joint(target, BigramTreeDrafter(target, drawn), 20_000)
     p_value = chi_square_p_value(counts, expected_joint(target))
     assert p_value < 1e-6, f"a broken verifier went unnoticed (p = {p_value:.2e})"
-
-
-def _forgetful_deterministic(children, tokens, p_of_node, uniforms):
-    """The deterministic rule without renormalising: each child accepted with its original p(x)."""
-    for child in children:
-        if next(uniforms) < p_of_node[child]:
-            return child, {}
-    return None, {}

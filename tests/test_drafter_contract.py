@@ -2,6 +2,8 @@
 
 - greedy output equals transformers' own greedy decoding on every core architecture family, at several budgets;
 - sampled output follows the target's distribution (chi-square through the real loop, mask and cache);
+- seeded sampled output equals plain sampling (`none`) with the same seed, token for token, whatever the drafter's
+  state (position-keyed draws);
 - trained heads or tuned data survive a save/load round trip with identical drafts, and refuse another base model;
 - options parse the same from a spec string and from keyword arguments, typed, and unknown ones are a clear error.
 
@@ -28,6 +30,7 @@ from selfspec.heads.artifacts import load_head, save_head
 from selfspec.heads.layerskip import load_skip_file, save_skip_file
 from selfspec.models import Target
 from selfspec.options import format_option
+from selfspec.sampling import SamplingConfig
 from selfspec.tree_attention import DraftTree
 
 from .helpers import (
@@ -221,6 +224,37 @@ def test_sampling_follows_the_target_distribution(name, tmp_path):
         assert (drafted > CHI_SAMPLES // 2) == case_for(name).drafts, f"{name} drafted on {drafted} of {CHI_SAMPLES} first steps"
     p_value = chi_square_p_value(counts, expected_joint(target, CHI_PROMPT))
     assert p_value > 1e-3, f"{name} ({family}): sampled distribution differs from the target's (chi-square p = {p_value:.2e})"
+
+
+SEEDED = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+@pytest.mark.parametrize("name", contract_names())
+def test_seeded_sampling_equals_plain_sampling(name, family, tmp_path):
+    # The token at output position t is drawn with a uniform keyed on (seed, t): with deterministic children every
+    # drafter emits what `none` emits for that seed, at any budget, after any earlier requests through it.
+    case = case_for(name)
+    target = without_eos(make_tiny_target(family))
+    plain = create_drafter("none", target)
+    budgets, seeds = (30, 7), (0, 1, 2)
+    reference = {(budget, seed): speculative_generate(target, plain, torch.tensor(PROMPT), budget, SEEDED, seed=seed)[0]
+                 for budget in budgets for seed in seeds}
+    drafted = 0  # steps that verified a tree, over every option set (a paced drafter may sit some out)
+    for reduced in (False, True) if case.make_artifacts else (False,):
+        for options in case.greedy_options:
+            drafter = build(name, target, tmp_path, reduced, **options)
+            # Other requests first (other prompts and seeds): state carried across requests must not move the text.
+            # They are paced (pauses carry over); the checked ones are not, so every step verifies a tree.
+            for seed in (5, 6):
+                speculative_generate(target, drafter, torch.tensor(PROMPT[seed:]), 12, SEEDED, seed=seed)
+            for (budget, seed), expected in reference.items():
+                tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), budget, SEEDED, seed=seed,
+                                                     pace=False)
+                assert tokens == expected, f"{name} {family} reduced={reduced} {options} budget={budget} seed={seed}"
+                drafted += sum(size > 1 for size in stats.tree_sizes)
+    if case.drafts is not None:
+        assert (drafted > 0) == case.drafts, f"{name} {family}: drafted on {drafted} steps"
 
 
 @pytest.mark.parametrize("name", contract_names())

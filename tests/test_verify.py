@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.sampling import SamplingConfig
+from selfspec.sampling import SamplingConfig, StepDraws, draw_token, logits_to_probs, position_uniform
 from selfspec.tree_attention import DraftTree, verify
 
 V = 10
@@ -45,7 +45,7 @@ def test_greedy_root_only_emits_argmax():
 def test_out_of_vocabulary_child_never_accepted():
     t = tree([9, V + 3, 2], [-1, 0, 0])
     assert verify(t, logits_with_argmax([2, 0, 0]), GREEDY).accepted_path == (0, 2)
-    sampled = verify(t, logits_with_argmax([2, 0, 0]) * 10, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    sampled = verify(t, logits_with_argmax([2, 0, 0]) * 10, SamplingConfig(temperature=1.0), StepDraws(seed=0))
     assert sampled.accepted_path == (0, 2)
 
 
@@ -54,7 +54,7 @@ def test_sampling_certain_target_accepts_and_rejects_deterministically():
     t = tree([9, 1, 4], [-1, 0, 0])
     logits = logits_with_argmax([4, 0, 7]) * 100
     for seed in range(20):
-        result = verify(t, logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(seed))
+        result = verify(t, logits, SamplingConfig(temperature=1.0), StepDraws(seed=seed))
         assert result.accepted_path == (0, 2) and result.next_token == 7
 
 
@@ -62,7 +62,7 @@ def test_drawn_children_with_q_equal_p_always_accept():
     probs = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(1)), -1)
     t = tree([9, 4, 6], [-1, 0, 1], draft_probs=probs.clone())
     for seed in range(50):
-        result = verify(t, probs.log(), SamplingConfig(temperature=1.0), torch.Generator().manual_seed(seed))
+        result = verify(t, probs.log(), SamplingConfig(temperature=1.0), StepDraws(generator=torch.Generator().manual_seed(seed)))
         assert result.accepted_path == (0, 1, 2)  # r < p/q = 1 always
 
 
@@ -70,5 +70,33 @@ def test_top_k_one_makes_sampling_greedy():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
     argmax = logits.argmax(-1).tolist()
     t = tree([9, argmax[0], argmax[1], 0], [-1, 0, 1, 2])
-    result = verify(t, logits, SamplingConfig(temperature=0.7, top_k=1), torch.Generator().manual_seed(0))
+    result = verify(t, logits, SamplingConfig(temperature=0.7, top_k=1), StepDraws(seed=0))
     assert result.accepted_tokens[:2] == (argmax[0], argmax[1])
+
+
+def test_deterministic_children_accept_the_position_keyed_draw():
+    # The token after a depth-d node is the inverse-CDF draw of p at that node with the uniform of position + d:
+    # the walk accepts the child equal to it, whichever other children the tree holds.
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
+    sampling = SamplingConfig(temperature=1.0)
+    draws = StepDraws(seed=11, position=3)
+    expected = [draw_token(logits_to_probs(logits[row], sampling), draws.uniform(depth))
+                for depth, row in enumerate([0, 1, 2])]
+    decoy = (expected[0] + 1) % V
+    t = tree([9, decoy, expected[0], expected[1]], [-1, 0, 0, 2])
+    node_logits = torch.stack([logits[0], logits[3], logits[1], logits[2]])  # the decoy's row is never read
+    result = verify(t, node_logits, sampling, draws)
+    assert result.accepted_path == (0, 2, 3) and result.emitted == tuple(expected)
+
+
+def test_position_uniforms_are_keyed_on_seed_and_position_alone():
+    assert position_uniform(3, 10) == StepDraws(seed=3, position=7).uniform(3) == StepDraws(3, 10).uniform(0)
+    values = {position_uniform(seed, position) for seed in range(20) for position in range(50)}
+    assert len(values) == 1000 and all(0.0 <= u < 1.0 for u in values)
+    assert abs(sum(values) / len(values) - 0.5) < 0.03
+
+
+def test_draw_token_is_the_inverse_cdf_and_never_draws_zero_mass():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25])
+    assert [draw_token(probs, u) for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 0.999999)] == [1, 1, 3, 3, 4, 4]
+    assert draw_token(probs * 3, 0.5) == 3  # the mass need not be 1

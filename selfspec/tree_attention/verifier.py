@@ -9,10 +9,14 @@ Every step therefore emits at least one target token: accepted tokens + (recover
 
 Lossless rules, at a node whose target distribution is p (after temperature / top-k / top-p):
 - greedy: accept the child equal to argmax p;
-- deterministic children (draft_probs is None), tried in layout order: accept child x with probability p(x); on
-  rejection set p(x) = 0 and renormalise; if all fail, draw from what is left of p;
+- deterministic children (draft_probs is None): draw the target's own token y from p by inverse CDF with the uniform
+  of the output position the token lands on (`StepDraws`: keyed on (seed, position) alone) and accept the child
+  equal to y; if none is, emit y. Accepting child x with probability p(x), in turn, is the same rule in
+  distribution (some child is accepted with probability sum p(children)); keying the draw on the position makes a
+  seed give the same text as plain decoding whatever the tree;
 - drawn children (x ~ q = draft_probs[node]): accept x if r < p(x) / q(x); on rejection p <- norm(max(p - q, 0)),
   and, when drawn without replacement, q <- q with x removed, renormalised; if all fail, draw from the residual p.
+  The uniforms come from the step's generator: a correct sample, but not tied to the position.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SelfspecError
-from ..sampling import SamplingConfig, logits_to_probs
+from ..sampling import SamplingConfig, StepDraws, draw_token, logits_to_probs
 from .tree import DraftTree
 
 _MIN_MASS = 1e-12  # below this a residual distribution is treated as empty
@@ -44,14 +48,19 @@ def verify(
     tree: DraftTree,
     target_logits: torch.Tensor,  # [n, V] the target's logits at every tree node
     sampling: SamplingConfig,
-    generator: torch.Generator | None = None,
+    draws: StepDraws = StepDraws(),
 ) -> VerifyResult:
-    """Pure function: the accepted path and the target's extra token. Randomness comes only from `generator`."""
+    """Pure function: the accepted path and the target's extra token. Randomness comes only from `draws`."""
     if target_logits.dim() != 2 or target_logits.shape[0] != tree.size:
         raise SelfspecError(f"verify needs one row of logits per tree node ([{tree.size}, V]), got {tuple(target_logits.shape)}")
     if sampling.greedy:
-        return _verify_greedy(tree, target_logits)
-    return _verify_sampling(tree, logits_to_probs(target_logits, sampling), generator)
+        argmax = target_logits.argmax(-1).tolist()  # one host sync per step
+        return _walk(tree, lambda node, depth: argmax[node])
+    if tree.draft_probs is None:
+        # Only the accepted path's rows are turned into distributions (top-p sorts a whole vocabulary row).
+        return _walk(tree, lambda node, depth: draw_token(logits_to_probs(target_logits[node], sampling),
+                                                          draws.uniform(depth)))
+    return _verify_drawn(tree, logits_to_probs(target_logits, sampling), draws.generator)
 
 
 def _result(tree: DraftTree, tokens: list[int], path: list[int], next_token: int) -> VerifyResult:
@@ -63,66 +72,33 @@ def _result(tree: DraftTree, tokens: list[int], path: list[int], next_token: int
     )
 
 
-def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
-    argmax = target_logits.argmax(-1).tolist()  # one host sync per step
+def _walk(tree: DraftTree, target_token) -> VerifyResult:
+    """From the root, follow the child equal to the target's own token at each node; `target_token(node, depth)`
+    is that token (the argmax, or the position-keyed draw). The first node with no such child emits it."""
     tokens = tree.token_list
     path = [0]
     while True:
-        wanted = argmax[path[-1]]
+        wanted = target_token(path[-1], len(path) - 1)
         match = next((child for child in tree.children(path[-1]) if tokens[child] == wanted), None)
         if match is None:
             return _result(tree, tokens, path, wanted)
         path.append(match)
 
 
-def _verify_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
+def _verify_drawn(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
     tokens = tree.token_list
     vocab = probs.shape[-1]
     # The step's uniforms in one draw: each child is tried at most once, so n - 1 of them always suffice.
     uniforms = iter(torch.rand(max(1, tree.size - 1), generator=generator, device=probs.device).tolist())
-    if tree.draft_probs is None:
-        # p(x) of every node's token under its parent's distribution, on the host in one copy (ids outside the
-        # vocabulary are clamped here and never tried below).
-        rows = tree.parents.to(probs.device).clamp(min=0)
-        p_of_node = probs[rows, tree.tokens.to(probs.device).clamp(0, vocab - 1)].tolist()
     path = [0]
     while True:
         node = path[-1]
         children = [c for c in tree.children(node) if 0 <= tokens[c] < vocab]  # ids outside the vocab never win
-        if tree.draft_probs is None:
-            accepted, removed = _try_deterministic(children, tokens, p_of_node, uniforms)
-            residual = _without(probs[node], removed)
-        else:
-            q = tree.draft_probs[node].to(device=probs.device, dtype=probs.dtype)
-            accepted, residual = _try_drawn(children, tokens, probs[node], q, tree.without_replacement, uniforms)
+        q = tree.draft_probs[node].to(device=probs.device, dtype=probs.dtype)
+        accepted, residual = _try_drawn(children, tokens, probs[node], q, tree.without_replacement, uniforms)
         if accepted is None:
             return _result(tree, tokens, path, _draw(residual, generator))
         path.append(accepted)
-
-
-def _try_deterministic(children: list[int], tokens: list[int], p_of_node: list[float], uniforms):
-    """Children chosen without randomness: accept x with probability p(x) under p with the earlier rejected
-    tokens removed and renormalised. Host arithmetic on the p(x) values. Returns (accepted child or None, the
-    rejected tokens)."""
-    removed: dict[int, float] = {}  # rejected token -> its p
-    for child in children:
-        x = tokens[child]
-        left = 1.0 - sum(removed.values())
-        p_x = 0.0 if x in removed else p_of_node[child] / left
-        if next(uniforms) < p_x:  # strict: p(x) = 0 never accepts, even when r is exactly 0
-            return child, removed
-        if x not in removed and left - p_of_node[child] > _MIN_MASS:  # an emptied p is kept as it was
-            removed[x] = p_of_node[child]
-    return None, removed
-
-
-def _without(p: torch.Tensor, removed: dict[int, float]) -> torch.Tensor:
-    """p with the rejected tokens' mass removed (multinomial renormalises)."""
-    if not removed:
-        return p
-    residual = p.clone()
-    residual[torch.tensor(list(removed), device=p.device)] = 0.0
-    return residual
 
 
 def _renormalise(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
