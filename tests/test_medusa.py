@@ -91,12 +91,12 @@ def test_save_load_round_trip_and_wrong_base(tmp_path):
     target = make_tiny_target("llama")
     directory = random_medusa_dir(target, tmp_path / "heads")
     drafter = create_drafter("medusa", target, directory)
-    saved = MedusaHeads(drafter.heads.config, target, drafter.heads.draft_vocab)
+    saved = MedusaHeads(drafter.head.config, target, drafter.head.draft_vocab)
     from safetensors.torch import load_file
 
     state = load_file(str(directory / "model.safetensors"))
     assert set(state) == set(saved.state_dict())  # no base weights in the directory
-    for name, tensor in drafter.heads.state_dict().items():
+    for name, tensor in drafter.head.state_dict().items():
         assert torch.equal(tensor, state[name])
     other = make_tiny_target("qwen2")
     with pytest.raises(SelfspecError, match="another base model"):
@@ -144,3 +144,4 @@ def test_cli_generate_and_medusa_tree(tmp_path, tiny_checkpoint, capsys):
     assert "drafter=medusa" in capsys.readouterr().err
     assert main(args[:6] + [str(tmp_path / "nowhere")] + args[7:]) == 2
     assert "does not exist" in capsys.readouterr().err
+

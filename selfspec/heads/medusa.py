@@ -20,9 +20,9 @@ from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree
-from .artifacts import ADAPTER, load_vocab_head
-from .base import AcceptanceCalibration, DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
-from .vocab import ReducedVocabHead
+from .artifacts import ADAPTER, LoadedHead
+from .base import DraftRequest, Observation, check_at_least_one, register_drafter
+from .vocab import ReducedVocabHead, VocabHeadDrafter
 
 
 @dataclass(frozen=True)
@@ -118,45 +118,44 @@ class TreeTemplate:
 
 
 @register_drafter("medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa")
-class MedusaDrafter(Drafter):
+class MedusaDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)
+    head_cls = MedusaHeads
 
     def __init__(self, target: Target, cost_curve: CostCurve, heads: MedusaHeads, tree: dict,
                  options: MedusaOptions = MedusaOptions()):
-        super().__init__(target, cost_curve, options)
-        self.heads = heads.to(target.device).eval().requires_grad_(False)
-        self.heads.pack_for(target.execution)
+        super().__init__(target, cost_curve, heads, options)
         paths = [tuple(path) for path in tree.get("paths", [])]
         values = [float(v) for v in tree.get("values", [])]
         if not paths or len(paths) != len(values):
             raise SelfspecError("the Medusa heads carry no tree: build one with `selfspec medusa-tree --heads DIR`")
         # The largest tree worth verifying even if every value were right; each step verifies the best prefix of it
         # for the values as calibrated by what the verifier has been accepting (`max_nodes` fixes the size).
-        self.fixed_nodes = options.max_nodes
         largest = self.fixed_nodes if self.fixed_nodes is not None else cost_curve.best_size(values)[0]
         kept = [(p, v) for p, v in zip(paths[: largest - 1], values) if max(p) < heads.config.max_rank and len(p) <= heads.num_heads]
         paths, self.values = [p for p, _ in kept], [v for _, v in kept]
-        self.tree_nodes = len(paths) + 1
+        self.tree_nodes = self.max_nodes = len(paths) + 1
         self.max_rank = 1 + max((max(p) for p in paths), default=0)
         self.template = TreeTemplate(paths, self.max_rank, target.device)
-        self.calibration = AcceptanceCalibration()
         self.reset()
 
+    def set_budget(self, options: MedusaOptions, config: MedusaConfig) -> None:
+        """`max_nodes` fixes the size verified every step; the largest tree follows from the tree data (__init__)."""
+        self.fixed_nodes = options.max_nodes
+
     @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: MedusaOptions) -> "MedusaDrafter":
-        loaded = load_vocab_head(target, heads_dir, "medusa", MedusaConfig, MedusaHeads)
+    def from_loaded(cls, target: Target, cost_curve: CostCurve, loaded: LoadedHead, options: MedusaOptions) -> "MedusaDrafter":
+        """The tree shape is data beside the weights; Medusa-2 heads bring an adapter for the target."""
         if (loaded.directory / ADAPTER).is_dir():
             merge_adapter(target, loaded.directory / ADAPTER)
-        drafter = cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
-        drafter.heldout_tau = loaded.heldout_tau
-        return drafter
+        return cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
 
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root
         self.calibration.reset()
 
     def observe(self, observation: Observation) -> None:
-        self.calibration.verified(observation.result)
+        self.calibrate(observation)
         states = observation.hidden.get(-1)
         if states is not None and states.shape[0] > 0:
             self.last_hidden = states[-1]
@@ -164,13 +163,11 @@ class MedusaDrafter(Drafter):
     def propose(self, request: DraftRequest) -> DraftTree:
         if self.last_hidden is None or request.max_depth <= 0 or self.template.depth == 0:
             return DraftTree.root_only(request.root_token)
-        size = self.fixed_nodes or self.cost_curve.best_size(self.calibration.scaled(self.values))[0]
-        size = min(size, self.tree_nodes)
+        size = min(self.size_for_gains(self.values), self.tree_nodes)
         if size <= 1:
             return DraftTree.root_only(request.root_token)
-        self.calibration.proposed(self.values[: size - 1])
         with torch.inference_mode():
-            topk_ids = self.heads.topk_target_ids(self.last_hidden, self.max_rank)  # [K, max_rank]
+            topk_ids = self.head.topk_target_ids(self.last_hidden, self.max_rank)  # [K, max_rank]
         return self.template.build(request.root_token, topk_ids, size)
 
 
