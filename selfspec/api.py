@@ -107,7 +107,7 @@ class SelfSpec:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
         sinks = ([TextStream(self.target, stream)] if stream is not None else []) + ([on_step] if on_step is not None else [])
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
-        tokens, stats = speculative_generate(
-            self.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
+        tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it
+            self.drafter.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
         )
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)

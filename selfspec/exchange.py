@@ -1,6 +1,6 @@
 """`selfspec export` and `selfspec import`: trained drafters to and from the speculators library's format (what vLLM
-loads). Each drafter that has such a format writes and reads its own (heads/eagle/eagle3.py, heads/dflash.py, over
-heads/speculators.py); this module picks the right one for a directory and refuses the rest with the reason."""
+loads). Each drafter that has such a format writes and reads its own (heads/eagle/eagle3.py, heads/dflash/interop.py,
+over heads/speculators.py); this module picks the right one for a directory and refuses the rest with the reason."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ other; fixtures live in conftest.py."""
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import replace
 
@@ -32,7 +33,7 @@ from selfspec.heads.base import Drafter, DraftRequest, Observation
 from selfspec.heads.dflash import DFlashConfig, DFlashHead
 from selfspec.heads.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleHead
 from selfspec.heads.layerskip import LayerSkipSettings, TunedSkipSet, save_skip_file
-from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads, MedusaLoraConfig
 from selfspec.models import Target, load_target
 from selfspec.sampling import SamplingConfig, logits_to_probs
 from selfspec.training.config import (
@@ -314,9 +315,11 @@ class BigramTreeDrafter(Drafter):
 
 # ---- random artifacts for the drafters that read them ----------------------------------------------------------------
 
-def random_medusa_dir(target, directory, num_heads=3, draft_vocab=None, seed=0, max_nodes=12):
-    """Heads with random (non-zero) weights and a tree from made-up accuracies, saved like trained ones."""
-    config = MedusaConfig(num_heads=num_heads, draft_vocab_size=0 if draft_vocab is None else len(draft_vocab), max_rank=3)
+def random_medusa_dir(target, directory, num_heads=3, draft_vocab=None, seed=0, max_nodes=12, lora=False):
+    """Heads with random (non-zero) weights and a tree from made-up accuracies, saved like trained ones. lora: Medusa-2
+    heads, with a LoRA adapter of random (non-zero) weights that changes what the model decodes."""
+    config = MedusaConfig(num_heads=num_heads, draft_vocab_size=0 if draft_vocab is None else len(draft_vocab), max_rank=3,
+                          lora=MedusaLoraConfig(rank=4, alpha=8) if lora else None)
     vocab = torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab
     heads = MedusaHeads(config, target, vocab).float()
     torch.manual_seed(seed)
@@ -325,7 +328,21 @@ def random_medusa_dir(target, directory, num_heads=3, draft_vocab=None, seed=0, 
     accuracies = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]])[:num_heads]
     paths, values = best_tree(accuracies, max_nodes)
     tree = {"paths": [list(p) for p in paths], "values": values}
-    return save_head(directory, "medusa", config, heads.state_dict(), target.fingerprint, {"tree": tree})
+    write_adapter = (lambda path: _random_lora(target, config.lora, seed).save_pretrained(str(path))) if lora else None
+    return save_head(directory, "medusa", config, heads.state_dict(), target.fingerprint, {"tree": tree}, write_adapter)
+
+
+def _random_lora(target, lora: MedusaLoraConfig, seed: int):
+    """A LoRA adapter (peft) on a copy of the target's model, its weights random so merging it changes the model."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules))
+    adapted = get_peft_model(copy.deepcopy(target.model), peft_config)
+    torch.manual_seed(seed)
+    for name, parameter in adapted.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(parameter, std=0.5)
+    return adapted
 
 
 def _random_eagle_family_head(head_cls, config_cls, target, draft_vocab, seed, config, norms: bool):

@@ -16,7 +16,7 @@ from selfspec.training.losses import draft_vocabulary, soft_cross_entropy
 from selfspec.training.medusa import best_tree, shifted_labels
 from selfspec.training.trainer import Batch
 
-from .helpers import make_tiny_target, random_medusa_dir
+from .helpers import PROMPT, hf_greedy, make_tiny_target, random_medusa_dir, without_eos
 
 
 
@@ -91,12 +91,12 @@ def test_save_load_round_trip_and_wrong_base(tmp_path):
     target = make_tiny_target("llama")
     directory = random_medusa_dir(target, tmp_path / "heads")
     drafter = create_drafter("medusa", target, directory)
-    saved = MedusaHeads(drafter.heads.config, target, drafter.heads.draft_vocab)
+    saved = MedusaHeads(drafter.head.config, target, drafter.head.draft_vocab)
     from safetensors.torch import load_file
 
     state = load_file(str(directory / "model.safetensors"))
     assert set(state) == set(saved.state_dict())  # no base weights in the directory
-    for name, tensor in drafter.heads.state_dict().items():
+    for name, tensor in drafter.head.state_dict().items():
         assert torch.equal(tensor, state[name])
     other = make_tiny_target("qwen2")
     with pytest.raises(SelfspecError, match="another base model"):
@@ -144,3 +144,44 @@ def test_cli_generate_and_medusa_tree(tmp_path, tiny_checkpoint, capsys):
     assert "drafter=medusa" in capsys.readouterr().err
     assert main(args[:6] + [str(tmp_path / "nowhere")] + args[7:]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_medusa2_decodes_its_own_adapted_copy_and_plain_decoding_beside_it_the_original(tmp_path):
+    """The demo, `auto` and the benchmark share one Target: attaching Medusa-2 heads (a LoRA adapter merged into the
+    model) must leave the model that plain decoding beside them reads as it was."""
+    from selfspec.api import SelfSpec
+
+    original = without_eos(make_tiny_target("llama"))  # the same weights, never given to a drafter
+    target = without_eos(make_tiny_target("llama"))
+    directory = random_medusa_dir(target, tmp_path / "heads", lora=True)
+    medusa, plain = SelfSpec(target, drafter="medusa", heads=directory), SelfSpec(target, drafter="none")
+    reference = hf_greedy(original, PROMPT, 16, eos=-1)
+    assert list(plain.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == reference
+    adapted = medusa.drafter.target
+    assert adapted is not target and adapted.model is not target.model
+    adapted_reference = hf_greedy(adapted, PROMPT, 16, eos=-1)
+    assert adapted_reference != reference  # the adapter changes what the model decodes: the test can tell them apart
+    assert list(medusa.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == adapted_reference
+    auto = SelfSpec(target, drafter="auto", heads=directory, sources=("ngram", "medusa"))
+    assert list(auto.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == reference  # auto verifies on the shared one
+    for (name, weight), shared in zip(original.model.state_dict().items(), target.model.state_dict().values()):
+        assert torch.equal(weight, shared), f"{name} of the shared target changed"
+    # The copy owns only what the adapter changed (q_proj, v_proj); every other weight is the shared target's memory.
+    own = {name for name, weight in adapted.model.state_dict().items()
+           if weight.data_ptr() != target.model.state_dict()[name].data_ptr()}
+    assert own and all("q_proj" in name or "v_proj" in name for name in own)
+
+
+def test_medusa2_refuses_a_target_it_cannot_copy(tmp_path, monkeypatch):
+    import selfspec.heads.medusa as medusa_module
+
+    target = make_tiny_target("llama")
+    directory = random_medusa_dir(target, tmp_path / "heads", lora=True)
+
+    def no_memory(model):
+        raise RuntimeError("out of memory\ntraceback details")
+
+    monkeypatch.setattr(medusa_module, "_sharing_copy", no_memory)
+    with pytest.raises(SelfspecError, match=r"cannot be copied \(out of memory\)") as error:
+        create_drafter("medusa", target, directory)
+    assert "\n" not in str(error.value) and not target.adapters  # one line, and the shared target left alone

@@ -146,14 +146,18 @@ def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_
     original = load_target(str(tiny_checkpoint))
     target = load_target(str(tiny_checkpoint))
     drafter = create_drafter("medusa", target, heads_dir)
-    changed = [name for (name, a), (_, b) in zip(original.model.state_dict().items(), target.model.state_dict().items()) if not torch.equal(a, b)]
-    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # the adapter was merged into the target
-    create_drafter("medusa", target, heads_dir)  # attaching the same heads again does not merge twice
-    assert torch.equal(dict(target.model.named_parameters())[changed[0]], drafter.target.model.state_dict()[changed[0]])
-    target._eos = ()
+    adapted = drafter.target  # the adapter is merged into a copy of the target; the target given stays the original
+    changed = [name for (name, a), (_, b) in zip(original.model.state_dict().items(), adapted.model.state_dict().items()) if not torch.equal(a, b)]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
+    kept = zip(original.model.state_dict().values(), target.model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in kept)
+    assert create_drafter("medusa", adapted, heads_dir).target is adapted  # the adapted model is not adapted twice
+    again = create_drafter("medusa", target, heads_dir).target  # the original again: a copy adapted the same way
+    assert torch.equal(again.model.state_dict()[changed[0]], adapted.model.state_dict()[changed[0]])
+    adapted._eos = ()
     prompt = target.encode_prompt("the dog ran")[0].tolist()
-    tokens, _ = speculative_generate(target, drafter, torch.tensor(prompt), 16)
-    assert list(tokens) == hf_greedy(target, prompt, 16, eos=-1)
+    tokens, _ = speculative_generate(adapted, drafter, torch.tensor(prompt), 16)
+    assert list(tokens) == hf_greedy(adapted, prompt, 16, eos=-1)
 
 
 def test_recipe_config_errors(tmp_path):

@@ -7,22 +7,28 @@ target's own next-token guess) followed by the target's frozen LM head restricte
 The candidate tree is data: an ordered list of rank paths (a path (r1, r2) is "rank r1 of head 1, then rank r2 of
 head 2"), sorted by the expected acceptance measured on held-out data, so the first n nodes are the best n-node
 tree. The node budget maximises expected accepted length per unit of verification cost on this machine's curve.
+
+Medusa-2 heads come with a LoRA adapter trained on the base: they draft for the adapted model, which is then the model
+decoded. The drafter gets a Target of its own for it (`adapted_target`: the adapter merged into a copy that shares
+every weight it leaves alone), so the target it was given, which plain decoding and other drafters may share, stays
+the original model; the decoding loop verifies a drafter's trees on `drafter.target`.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..cost import CostCurve
-from ..errors import SelfspecError
+from ..errors import SelfspecError, first_line
 from ..models import Target
 from ..tree_attention import DraftTree
-from .artifacts import ADAPTER, load_vocab_head
-from .base import AcceptanceCalibration, DraftRequest, Drafter, Observation, check_at_least_one, register_drafter
-from .vocab import ReducedVocabHead
+from .artifacts import ADAPTER, LoadedHead
+from .base import DraftRequest, Observation, check_at_least_one, register_drafter
+from .vocab import ReducedVocabHead, VocabHeadDrafter
 
 
 @dataclass(frozen=True)
@@ -118,45 +124,44 @@ class TreeTemplate:
 
 
 @register_drafter("medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa")
-class MedusaDrafter(Drafter):
+class MedusaDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)
+    head_cls = MedusaHeads
 
     def __init__(self, target: Target, cost_curve: CostCurve, heads: MedusaHeads, tree: dict,
                  options: MedusaOptions = MedusaOptions()):
-        super().__init__(target, cost_curve, options)
-        self.heads = heads.to(target.device).eval().requires_grad_(False)
-        self.heads.pack_for(target.execution)
+        super().__init__(target, cost_curve, heads, options)
         paths = [tuple(path) for path in tree.get("paths", [])]
         values = [float(v) for v in tree.get("values", [])]
         if not paths or len(paths) != len(values):
             raise SelfspecError("the Medusa heads carry no tree: build one with `selfspec medusa-tree --heads DIR`")
         # The largest tree worth verifying even if every value were right; each step verifies the best prefix of it
         # for the values as calibrated by what the verifier has been accepting (`max_nodes` fixes the size).
-        self.fixed_nodes = options.max_nodes
         largest = self.fixed_nodes if self.fixed_nodes is not None else cost_curve.best_size(values)[0]
         kept = [(p, v) for p, v in zip(paths[: largest - 1], values) if max(p) < heads.config.max_rank and len(p) <= heads.num_heads]
         paths, self.values = [p for p, _ in kept], [v for _, v in kept]
-        self.tree_nodes = len(paths) + 1
+        self.tree_nodes = self.max_nodes = len(paths) + 1
         self.max_rank = 1 + max((max(p) for p in paths), default=0)
         self.template = TreeTemplate(paths, self.max_rank, target.device)
-        self.calibration = AcceptanceCalibration()
         self.reset()
 
+    def set_budget(self, options: MedusaOptions, config: MedusaConfig) -> None:
+        """`max_nodes` fixes the size verified every step; the largest tree follows from the tree data (__init__)."""
+        self.fixed_nodes = options.max_nodes
+
     @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: MedusaOptions) -> "MedusaDrafter":
-        loaded = load_vocab_head(target, heads_dir, "medusa", MedusaConfig, MedusaHeads)
+    def from_loaded(cls, target: Target, cost_curve: CostCurve, loaded: LoadedHead, options: MedusaOptions) -> "MedusaDrafter":
+        """The tree shape is data beside the weights; Medusa-2 heads draft for (and on) their own adapted target."""
         if (loaded.directory / ADAPTER).is_dir():
-            merge_adapter(target, loaded.directory / ADAPTER)
-        drafter = cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
-        drafter.heldout_tau = loaded.heldout_tau
-        return drafter
+            target = adapted_target(target, loaded.directory / ADAPTER)
+        return cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
 
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root
         self.calibration.reset()
 
     def observe(self, observation: Observation) -> None:
-        self.calibration.verified(observation.result)
+        self.calibrate(observation)
         states = observation.hidden.get(-1)
         if states is not None and states.shape[0] > 0:
             self.last_hidden = states[-1]
@@ -164,25 +169,47 @@ class MedusaDrafter(Drafter):
     def propose(self, request: DraftRequest) -> DraftTree:
         if self.last_hidden is None or request.max_depth <= 0 or self.template.depth == 0:
             return DraftTree.root_only(request.root_token)
-        size = self.fixed_nodes or self.cost_curve.best_size(self.calibration.scaled(self.values))[0]
-        size = min(size, self.tree_nodes)
+        size = min(self.size_for_gains(self.values), self.tree_nodes)
         if size <= 1:
             return DraftTree.root_only(request.root_token)
-        self.calibration.proposed(self.values[: size - 1])
         with torch.inference_mode():
-            topk_ids = self.heads.topk_target_ids(self.last_hidden, self.max_rank)  # [K, max_rank]
+            topk_ids = self.head.topk_target_ids(self.last_hidden, self.max_rank)  # [K, max_rank]
         return self.template.build(request.root_token, topk_ids, size)
 
 
-def merge_adapter(target: Target, adapter_dir: Path) -> None:
-    """Medusa-2: merge the LoRA adapter trained with the heads into the target, which is then the adapted model."""
+def adapted_target(target: Target, adapter_dir: Path) -> Target:
+    """Medusa-2: `target` with the LoRA adapter trained with the heads merged in, as a Target of its own; `target`
+    itself is left as it is (plain decoding, other drafters and other requests may share it). The copy shares the
+    memory of every weight the adapter leaves alone and owns the ones the merge changes. A target that already is this
+    adapted model is returned as it is; a copy that cannot be made is a one-line error."""
     key = str(adapter_dir.resolve())
     if key in target.adapters:
-        return
+        return target
     if target.adapters:
         raise SelfspecError(f"this target already carries adapter {target.adapters[0]}: load a fresh target for other heads")
     from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    PeftModel.from_pretrained(target.model, str(adapter_dir)).merge_and_unload()
-    target.adapters.append(key)
-    target.execution.invalidate()  # the weights changed: pack them again
+    try:
+        model = _sharing_copy(target.model)
+    except (RuntimeError, TypeError, NotImplementedError, copy.Error) as error:
+        raise SelfspecError(f"Medusa-2 heads need a copy of the target to merge their adapter into, and this model "
+                            f"cannot be copied ({first_line(error)}): use Medusa-1 heads or another drafter") from None
+    adapted = PeftModel.from_pretrained(model, str(adapter_dir))
+    with torch.no_grad():
+        for module in adapted.modules():  # the merge adds to these weights in place: give them memory of their own
+            if isinstance(module, BaseTunerLayer):
+                for weight in module.get_base_layer().parameters(recurse=False):
+                    weight.data = weight.data.clone()
+    model = adapted.merge_and_unload()
+    return Target(model=model, tokenizer=target.tokenizer, name=target.name, _eos=target._eos, adapters=[key],
+                  kernels=target.kernels)
+
+
+def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree whose parameters and buffers share the original's memory: new Parameter objects (so
+    flags set on the copy's, such as requires_grad, stay the copy's), the same storage."""
+    shared: dict[int, object] = {id(buffer): buffer for buffer in model.buffers()}
+    for weight in model.parameters():  # tied weights are one Parameter: the copy's stay tied
+        shared[id(weight)] = torch.nn.Parameter(weight.data, requires_grad=weight.requires_grad)
+    return copy.deepcopy(model, memo=shared)

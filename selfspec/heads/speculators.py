@@ -1,5 +1,5 @@
 """Drafters in the format of the `speculators` library, which vLLM loads (`--speculative-config`), both ways: the
-part EAGLE-3 (heads/eagle/eagle3.py) and DFlash (heads/dflash.py) share. Each kind says what its config fields and
+part EAGLE-3 (heads/eagle/eagle3.py) and DFlash (heads/dflash/) share. Each kind says what its config fields and
 weights are; this module writes and reads the directory and checks what every kind carries.
 
 A speculators directory holds `config.json` (`speculators_model_type`, the draft decoder layers' transformers config
@@ -51,6 +51,15 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     if num_layers >= 6:
         return (2, num_layers // 2, num_layers - 3)
     return tuple(sorted({0, num_layers // 2, num_layers}))
+
+
+def resolve_aux_layers(drafter: str, layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The target layers a head reads (hidden_states indices): `layers`, or default_aux_layers when empty; distinct
+    and inside the model, else a one-line error naming `drafter`."""
+    layers = tuple(layers) or default_aux_layers(num_layers)
+    if len(set(layers)) != len(layers) or not all(0 <= layer <= num_layers for layer in layers):
+        raise SelfspecError(f"{drafter}: feature_layers {list(layers)} must be distinct and lie in 0 .. {num_layers}")
+    return layers
 
 
 def config_document(config, dtype: str, **overrides) -> dict:
@@ -195,6 +204,12 @@ def build_imported(head_class, artifact: HeadArtifact, target: Target, where: Pa
     head = head_class(artifact.config, target, artifact.state["draft_vocab"])
     load_state_strict(head, artifact.state, where)
     return head
+
+
+def load_imported(head_class, imported_artifact, target: Target, directory: Path):
+    """A speculators directory (`imported_artifact(target, directory)` reads it) -> its head, loaded strictly, in the
+    target's dtype."""
+    return build_imported(head_class, imported_artifact(target, directory), target, directory).to(target.dtype)
 
 
 def head_for_export(target: Target, heads_dir: Path, kind: str, config_class, head_class, imported_artifact):

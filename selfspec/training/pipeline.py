@@ -32,8 +32,9 @@ def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dic
     """Mean accepted length of the trained drafter on held-out ShareGPT prompts, greedy, with the real decoder."""
     if config.eval.heldout_prompts <= 0:
         return {}
-    target = load_target(config.model)  # fresh: Medusa-2 merges its adapter into the target it is given
+    target = load_target(config.model)
     drafter_instance = create_drafter(drafter, target, heads_dir)
+    target = drafter_instance.target  # Medusa-2 heads decode their own adapted copy of the target
     conversations = load_sharegpt("heldout").conversations
     step = max(1, len(conversations) // config.eval.heldout_prompts)
     chosen = conversations[::step][: config.eval.heldout_prompts]

@@ -52,17 +52,10 @@ class EagleOptions:
 
 
 class EagleFamilyHead(ReducedVocabHead):
-    """What the EAGLE drafter needs of a head beside its forward: the target features it reads, how they enter it,
-    and the target's frozen input embeddings (a view, not saved)."""
+    """What the EAGLE drafter needs of a head beside its forward: the target features it reads and how they enter
+    it (the target's frozen input embeddings: ReducedVocabHead.attach_embeddings)."""
 
     feature_layers: tuple[int, ...] = (-1,)  # the target hidden_states the head reads (EAGLE-1: the LM head's input)
-
-    def attach_embeddings(self, model: torch.nn.Module) -> None:
-        self.register_buffer("embed_weight", model.get_input_embeddings().weight.detach(), persistent=False)
-        self.embed_scale = float(getattr(model.get_input_embeddings(), "embed_scale", 1.0))  # Gemma scales embeddings
-
-    def embed(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.nn.functional.embedding(tokens, self.embed_weight).to(dtype) * self.embed_scale
 
     def gather_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's hidden states (layer -> [..., H]) -> the head's input features [..., F]."""

@@ -9,7 +9,7 @@ Two things differ from EAGLE-1 (`eagle`):
   The head predicts no feature: its output goes through its own final `norm` into the draft LM head, and that same
   output is the feature its next draft step reads.
 Trained with the training-time test (several draft steps unrolled on the head's own outputs) and a token loss only.
-Drafting, caching and tree growth are EAGLE's (heads/eagle.py): only the head differs.
+Drafting, caching and tree growth are EAGLE's (heads/eagle/drafter.py): only the head differs.
 """
 
 from __future__ import annotations
@@ -20,21 +20,19 @@ from pathlib import Path
 
 import torch
 
-from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target, sublayer_style
 from ..artifacts import HeadArtifact
 from ..base import check_at_least_one, register_drafter
 from ..speculators import (
     SpeculatorsDraft,
-    build_imported,
     config_document,
     default_aux_layers,
     export_state,
     head_for_export,
     import_directory,
     read_speculators,
-    speculators_type,
+    resolve_aux_layers,
     write_speculators,
 )
 from .drafter import EagleConfig, EagleDrafter, EagleFamilyHead, EagleOptions
@@ -64,10 +62,7 @@ eagle3_layers = default_aux_layers  # a low, a middle and a high layer: 2, N // 
 
 
 def resolve_eagle3_layers(config: Eagle3Config, num_layers: int) -> tuple[int, ...]:
-    layers = tuple(config.feature_layers) or eagle3_layers(num_layers)
-    if len(set(layers)) != len(layers) or not all(0 <= layer <= num_layers for layer in layers):
-        raise SelfspecError(f"eagle3: feature_layers {list(layers)} must be distinct and lie in 0 .. {num_layers}")
-    return layers
+    return resolve_aux_layers("eagle3", config.feature_layers, num_layers)
 
 
 class Eagle3Head(EagleFamilyHead):
@@ -92,11 +87,8 @@ class Eagle3Head(EagleFamilyHead):
         self.layers = torch.nn.ModuleList([layer])
         self.norm = copy.deepcopy(model.model.norm)  # the head's own; starts as the target's final norm
         self.rotary = type(model.model.rotary_emb)(config=target.config)
-        self.attach_draft_vocab(model.get_output_embeddings().weight, draft_vocab)
+        self.attach_draft_vocab(model.get_output_embeddings().weight, draft_vocab, config.own_lm_head)
         self.attach_embeddings(model)
-        if config.own_lm_head:
-            self.lm_head = torch.nn.Linear(hidden_size, len(draft_vocab), bias=False)
-            self.lm_head.weight.data.copy_(self.draft_lm_weight)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(features)
@@ -119,24 +111,7 @@ class Eagle3Head(EagleFamilyHead):
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = self.norm(hidden)
-        return self.lm_head(normed) if self.config.own_lm_head else super().draft_logits(normed)
-
-
-@register_drafter("eagle3", options=Eagle3Options, config=Eagle3Config, recipe="selfspec.training.eagle:train_eagle3")
-class Eagle3Drafter(EagleDrafter):
-    head_cls = Eagle3Head
-
-    @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options) -> "Eagle3Drafter":
-        """A selfspec heads directory, or a speculators EAGLE-3 one (imported as it loads)."""
-        if heads_dir is None or speculators_type(heads_dir) is None:
-            return super().load(target, heads_dir, cost_curve, options)
-        artifact = imported_artifact(target, Path(heads_dir))
-        head = build_imported(Eagle3Head, artifact, target, Path(heads_dir))
-        drafter = cls(target, cost_curve, head.to(target.dtype), options)
-        drafter.heldout_tau = None
-        return drafter
+        return super().draft_logits(self.norm(hidden))  # the head's own final norm, then its (or the target's) LM head
 
 
 def check_layer_type(target: Target) -> None:
@@ -172,6 +147,13 @@ def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
     state = {**content.state, "draft_vocab": content.draft_vocab}
     return HeadArtifact("eagle3", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier})
 
+
+@register_drafter("eagle3", options=Eagle3Options, config=Eagle3Config, recipe="selfspec.training.eagle:train_eagle3")
+class Eagle3Drafter(EagleDrafter):
+    """Loads a selfspec heads directory, or a speculators EAGLE-3 one (imported as it loads)."""
+
+    head_cls = Eagle3Head
+    speculators_import = staticmethod(imported_artifact)
 
 
 def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtype: str = "bfloat16") -> Path:
