@@ -9,6 +9,8 @@ from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
+from selfspec.heads.lookup.ngram import TokenIndex
+from selfspec.heads.lookup.packed_index import PackedTokenIndex
 from selfspec.sampling import SamplingConfig
 
 from .helpers import FLAT, PROMPT, hf_greedy, make_tiny_target, without_eos
@@ -50,7 +52,7 @@ def test_a_single_token_match_drafts_nothing_by_default():
 
 def test_history_keeps_the_newest_tokens_within_its_cap():
     drafter = served([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], max_tokens=8)
-    assert len(drafter.history.tokens) <= 8 and drafter.history.tokens[-4:] == [9, 10, 11, 12]
+    assert len(drafter.history) <= 8 and drafter.history.tokens[-4:].tolist() == [9, 10, 11, 12]
     assert paths_of(drafter, [0, 10, 11], root=11) == [[12]]
     drafter.reset()
     assert paths_of(drafter, [0, 1, 2], root=2) == [[]]  # the oldest request was dropped
@@ -74,3 +76,28 @@ def test_a_repeated_request_is_drafted_from_the_first_and_output_is_unchanged():
     assert list(first) == list(again) == reference
     assert max(first_stats.tree_sizes) == 1  # nothing served before
     assert stats.target_forwards < len(reference) // 2  # the second copies the first's reply
+
+
+def test_the_packed_index_answers_as_the_dict_index_does():
+    # The history's index (sorted hashes) against prompt lookup's (a dict of tuples) on the same token stream, fed a
+    # request at a time, from many contexts: the same continuations in the same order.
+    generator = torch.Generator().manual_seed(0)
+    sizes = (4, 3, 2, 1)
+    packed, reference = PackedTokenIndex(sizes), TokenIndex(sizes)
+    for _ in range(12):
+        request = torch.randint(0, 9, (int(torch.randint(1, 40, (1,), generator=generator)),), generator=generator).tolist()
+        packed.extend(request)
+        reference.extend(request)
+        for _ in range(20):
+            context = torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator).tolist()
+            for depth, paths in ((3, 2), (5, 4), (0, 3)):
+                assert packed.continuations(context, depth, paths) == reference.continuations(context, depth, paths)
+    assert packed.nbytes <= 16 * len(packed) * (len(sizes) + 1)
+
+
+def test_packed_index_hash_collisions_are_not_matches(monkeypatch):
+    import selfspec.heads.lookup.packed_index as packed_module
+    monkeypatch.setattr(packed_module, "_MULTIPLIER", packed_module.np.uint64(0))  # every n-gram hashes to its last token
+    index = packed_module.PackedTokenIndex((3,))
+    index.extend([1, 2, 3, 9, 4, 5, 3, 7])
+    assert index.continuations([4, 5, 3], 2, 3) == [[7]]  # (2, 3) ... shares the hash of (5, 3) only

@@ -2,7 +2,8 @@
 
 Prompt lookup (`ngram`) sees only the current request. A deployment answers many similar ones: replies open and
 close alike, code repeats its idioms, a prompt quotes what an earlier reply wrote. This drafter keeps the prompts and
-outputs of its earlier requests (the newest `max_tokens` of them) in an n-gram index and, at each step, copies what
+outputs of its earlier requests (the newest `max_tokens` of them: ~1 MB at the default 65,536, see
+`PackedTokenIndex`) in an n-gram index and, at each step, copies what
 followed the longest n-gram (at least `min_ngram` tokens: across unrelated text a one-token match predicts little)
 that ends the current request; the most recent occurrences first, one branch per distinct next token. This is the
 idea of SuffixDecoding (Oliaro et al., 2024), over an n-gram index rather than a suffix tree.
@@ -21,7 +22,8 @@ from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target
 from ..base import register_drafter
-from .ngram import NgramDrafter, NgramOptions, TokenIndex
+from .ngram import NgramDrafter, NgramOptions
+from .packed_index import PackedTokenIndex
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class HistoryOptions(NgramOptions):
     max_ngram: int = 6
     min_ngram: int = 2
     prior_acceptance: float = 0.3  # earlier requests predict this one less often than its own context does
-    max_tokens: int = 65536  # tokens of earlier requests kept (the newest); the index costs ~100 bytes a token per n
+    max_tokens: int = 65536  # tokens of earlier requests kept (the newest); the index: 4 + 12 bytes a token per n
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,7 +45,7 @@ class HistoryDrafter(NgramDrafter):
     def __init__(self, target: Target, cost_curve: CostCurve, options: HistoryOptions = HistoryOptions()):
         self.max_tokens = options.max_tokens
         self.request_tokens: list[int] = []
-        self.history = TokenIndex(tuple(range(options.max_ngram, options.min_ngram - 1, -1)))
+        self.history = PackedTokenIndex(tuple(range(options.max_ngram, options.min_ngram - 1, -1)))
         super().__init__(target, cost_curve, options)
 
     def reset(self) -> None:
@@ -55,10 +57,10 @@ class HistoryDrafter(NgramDrafter):
     def _remember(self, tokens: list[int]) -> None:
         if not tokens:
             return
-        if len(self.history.tokens) + len(tokens) > self.max_tokens:
+        if len(self.history) + len(tokens) > self.max_tokens:
             # Re-index the newest three quarters of the cap: a rebuild now and then, not one per request.
-            kept = (self.history.tokens + tokens)[-(self.max_tokens * 3 // 4 or 1) :]
-            self.history = TokenIndex(self.history.sizes)
+            kept = (self.history.tokens.tolist() + tokens)[-(self.max_tokens * 3 // 4 or 1) :]
+            self.history = PackedTokenIndex(self.history.sizes)
             self.history.extend(kept)
             return
         self.history.extend(tokens)
