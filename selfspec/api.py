@@ -76,7 +76,7 @@ class SelfSpec:
         kernels: str = "auto",
         **drafter_options,
     ):
-        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see selfspec.kernels)."""
+        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see selfspec.execution)."""
         self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
         self.drafter = create_drafter(drafter, self.target, heads, **drafter_options)
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..cost import CostCurve
-from ..kernels import ExecutionPath, pack_weight, packed_linear
+from ..execution import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import load_vocab_head
