@@ -13,9 +13,8 @@ loops and compiles it into a shared library that any later process loads in abou
 Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
 (kv_storage.InPlaceLayer, through its public `storage`/`reserve`/`mark_filled`), so a step copies no cache.
 Compiling takes about a minute per graph on a 2-core CPU, once per kind of CPU, model weights, dtype and software
-versions: the packages are stored under the selfspec cache. Prefill and
-anything else the graphs do not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager
-fast path.
+versions: the packages are stored under the selfspec cache (`package_dir`). Prefill and anything else the graphs do
+not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager fast path.
 """
 
 from __future__ import annotations
