@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from .decoding import GenerationResult, speculative_generate
+from .decoding import GenerationResult, speculative_generate, validate_request
 from .errors import SelfspecError
-from .heads import create_drafter
+from .heads import Drafter, create_drafter, parse_drafter_options
 from .models import DEFAULT_MODEL, Target, load_target
 from .sampling import SamplingConfig
 
@@ -76,9 +76,22 @@ class SelfSpec:
         kernels: str = "auto",
         **drafter_options,
     ):
-        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see selfspec.kernels)."""
+        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see selfspec.execution).
+
+        The drafter's name and options are checked here, before the model loads; the drafter itself is built on first
+        use (`drafter`, or the first `generate` once its request has been checked): building it can measure this
+        machine's cost curve and pack, calibrate or compile the target's path (minutes, once per machine), which a
+        bad request must not wait for."""
+        parse_drafter_options(drafter, **drafter_options)
         self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
-        self.drafter = create_drafter(drafter, self.target, heads, **drafter_options)
+        self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
+        self._drafter: Drafter | None = None
+
+    @property
+    def drafter(self) -> Drafter:
+        if self._drafter is None:
+            self._drafter = create_drafter(self._drafter_spec, self.target, self._heads, **self._drafter_options)
+        return self._drafter
 
     def generate(
         self,
@@ -105,6 +118,7 @@ class SelfSpec:
             raise SelfspecError("pass exactly one of prompt or input_ids")
         if prompt is not None:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
+        input_ids = validate_request(self.target, input_ids, max_new_tokens)  # before any first-use work (`drafter`)
         sinks = ([TextStream(self.target, stream)] if stream is not None else []) + ([on_step] if on_step is not None else [])
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
         tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it

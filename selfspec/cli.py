@@ -236,7 +236,7 @@ def _profile(args) -> None:
     import torch
 
     from .cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
-    from .kernels import ExecutionPath, fast_path_available
+    from .execution import ExecutionPath, fast_path_available
     from .models import load_target
 
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)

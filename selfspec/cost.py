@@ -18,16 +18,16 @@ from typing import Sequence
 import torch
 
 from .files import atomic_write_text, cpu_signature
-from .kernels import ExecutionPath
+from .execution import ExecutionPath
 from .models import Target, cache_root
 
 # Built-in estimates, used until `selfspec profile` has measured this machine.
 _BUILTIN = {
     "cpu": {1: 1.0, 2: 1.1, 4: 1.8, 8: 2.0, 16: 2.2, 32: 2.8, 64: 4.2},  # SmolLM2-135M fp32, 2-core CPU
-    # The same model on the fast path (selfspec.kernels, q/k/v as one GEMM), 2-core AVX2 EPYC, cache of 300: the
+    # The same model on the fast path (selfspec.execution, q/k/v as one GEMM), 2-core AVX2 EPYC, cache of 300: the
     # mean of three `selfspec profile` runs. Used only with SELFSPEC_AUTO_PROFILE=0 (otherwise a curve is measured).
     "cpu-fast": {1: 1.0, 2: 1.03, 4: 1.16, 8: 1.34, 16: 1.69, 32: 2.41, 64: 3.99},
-    # The compiled steps (selfspec.compiled), 2-core AVX-512 Xeon, cache of 300, over the compiled one-token step
+    # The compiled steps (selfspec.execution), 2-core AVX-512 Xeon, cache of 300, over the compiled one-token step
     # (23.3 ms; 2 rows measured 0.97 of it, made non-decreasing): `selfspec profile` on da81b84, run 1 of the README.
     "cpu-compiled": {1: 1.0, 2: 1.0, 4: 1.26, 8: 1.47, 16: 1.82, 32: 2.47, 64: 3.84},
     "cuda": {1: 1.0, 8: 1.0, 16: 1.02, 32: 1.05, 64: 1.1},

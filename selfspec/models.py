@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import SelfspecError, first_line
 from .files import cache_root
-from .kernels import KERNEL_CHOICES, ExecutionPath
+from .execution import KERNEL_CHOICES, ExecutionPath
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -71,7 +71,7 @@ class Target:
     name: str = "model"
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
-    kernels: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.kernels)
+    kernels: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.execution)
 
     @cached_property
     def execution(self) -> ExecutionPath:

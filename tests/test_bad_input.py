@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import torch
 from selfspec import SelfSpec, SelfspecError
 from selfspec.cli import main
 from selfspec.decoding import speculative_generate
+from selfspec.execution import compile_support, detect_capabilities
 from selfspec.heads import create_drafter
 
 from .helpers import make_tiny_target
@@ -109,3 +111,77 @@ def test_cli_generates_and_prints_stats(tiny_checkpoint, capsys):
     assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "the cat sat", "--max-new-tokens", "12", "--drafter", "ngram"]) == 0
     captured = capsys.readouterr()
     assert "12 tokens" in captured.err and "mean accepted length" in captured.err
+
+
+# ---- requests are checked before first-use work ---------------------------------------------------------------------
+
+LONG_PROMPT = " ".join(["cat"] * 300)  # past the tiny model's context of 256
+# Work a first request on a machine does once (minutes for a real model): the cost curve, the fast path's row split,
+# the compiled steps. A bad request must fail before any of it.
+FIRST_USE_WORK = ("selfspec.cost.measure_forward_times", "selfspec.execution.calibration.measure_stock_rows",
+                  "selfspec.execution.compiled.compile_step")
+
+
+class FirstUseWork(BaseException):
+    """Raised by the patched entry points: not an Exception, so no `except Exception` on the way turns it into a
+    fallback or a one-line error."""
+
+
+@pytest.fixture
+def fresh_machine(tmp_path, monkeypatch):
+    """An empty selfspec cache (no cost curve, row split or compiled step stored), where first-use work raises."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
+    monkeypatch.delenv("SELFSPEC_STOCK_ROWS")
+
+    def refuse(*args, **kwargs):
+        raise FirstUseWork("first-use work began before the request was checked")
+
+    for entry_point in FIRST_USE_WORK:
+        monkeypatch.setattr(entry_point, refuse)
+    return tmp_path
+
+
+def most_first_use_work() -> str:
+    """The path whose first use does the most here: compiled where this machine can compile, else fast."""
+    return "compiled" if compile_support(detect_capabilities())[0] else "fast"
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"prompt": LONG_PROMPT}, "no room"),
+        ({"prompt": "the cat", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "the cat", "temperature": -1.0}, "temperature"),
+        ({"prompt": "the cat", "top_p": 0.0}, "top_p"),
+        ({"input_ids": [1, 10**6]}, "outside the vocabulary"),
+    ],
+)
+def test_api_checks_the_request_before_first_use_work(tiny_checkpoint, fresh_machine, kwargs, fragment):
+    spec = SelfSpec(tiny_checkpoint, drafter="ngram", kernels=most_first_use_work())  # the drafter waits for a request
+    with pytest.raises(SelfspecError, match=fragment):
+        spec.generate(**kwargs)
+    with pytest.raises(SelfspecError, match="unknown drafter 'eagel'"):
+        SelfSpec(tiny_checkpoint, drafter="eagel")
+    assert not any(fresh_machine.iterdir())  # nothing measured, calibrated or compiled, so nothing stored
+    with pytest.raises(FirstUseWork):  # a good request does reach that work: the patches sit on its path
+        spec.generate(prompt="the cat", max_new_tokens=4)
+
+
+def test_cli_checks_the_request_before_first_use_work(tiny_checkpoint, fresh_machine, capsys):
+    command = ["generate", "--model", str(tiny_checkpoint), "--kernels", most_first_use_work(), "--prompt", LONG_PROMPT]
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and "no room" in err, err
+    assert not any(fresh_machine.iterdir())
+
+
+def test_a_new_user_with_a_long_prompt_sees_the_error_alone(tiny_checkpoint, tmp_path):
+    """As a new user meets it: a fresh process on an empty cache. Measuring the cost curve or the row split first
+    would print and store something; only the error comes."""
+    env = {**os.environ, "SELFSPEC_CACHE": str(tmp_path), "SELFSPEC_AUTO_PROFILE": "1"}
+    env.pop("SELFSPEC_STOCK_ROWS")
+    run = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "--model", str(tiny_checkpoint),
+                          "--kernels", "fast", "--prompt", LONG_PROMPT], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and run.stderr.startswith("selfspec: error:") and len(run.stderr.strip().splitlines()) == 1
+    assert "no room" in run.stderr and not any(tmp_path.iterdir())

@@ -1,19 +1,20 @@
-"""The compiled execution path (selfspec.compiled): the decoding steps compiled ahead of time compute what the eager
+"""The compiled execution path (selfspec.execution.compiled): the decoding steps compiled ahead of time compute what the eager
 fast path computes, write the KV cache in place, are compiled once and then loaded, and decoding through them equals
 plain greedy decoding. One tiny Llama is compiled for the whole module (two graphs, ~1 minute on 2 cores)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from selfspec import compiled as compiled_module
-from selfspec.compiled import COMPILE_ENV, CompiledStep, compiler_available
 from selfspec.cost import load_cost_curve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.kernels import ExecutionPath, InPlaceLayer
+from selfspec.execution import COMPILE_ENV, CompiledStep, ExecutionPath, compile_support, detect_capabilities
+from selfspec.execution import compiled as compiled_module
 from selfspec.models import Target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward
 
@@ -22,7 +23,7 @@ from .helpers import (
     sample_joint, without_eos,
 )
 
-pytestmark = pytest.mark.skipif(not compiler_available()[0], reason=compiler_available()[1])
+pytestmark = pytest.mark.skipif(not compile_support(detect_capabilities())[0], reason=compile_support(detect_capabilities())[1])
 
 LONG_PROMPT = [1] + [3 + (7 * i) % 90 for i in range(40)]  # past the compiled graphs' smallest cache
 TREE = DraftTree(tokens=torch.tensor([5, 17, 33, 40, 8, 9, 11]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
@@ -129,7 +130,7 @@ def test_packages_are_compiled_once_and_then_loaded(compiled_target):
     assert stored == ["few.pt2", "tree.pt2"]  # and no temporary file left, here or beside another model's
     assert not [path for path in (cache / "compiled").rglob("*") if path.name.startswith(".")]
     messages = []
-    again = CompiledStep(target.model, target.name, InPlaceLayer, log=messages.append)
+    again = CompiledStep(target.model, target.name, log=messages.append)
     again.load()
     assert messages == [] and set(again.runners) == {"few", "tree"}
     with torch.no_grad():
@@ -146,22 +147,22 @@ def test_choosing_the_compiled_path(monkeypatch, tmp_path):
     model = make_tiny_target("llama").model
     monkeypatch.delenv(COMPILE_ENV)  # the suite keeps `auto` from compiling
     assert ExecutionPath(model, "auto").name == "stock"  # tiny: stock kernels win
-    monkeypatch.setattr("selfspec.kernels.AUTO_MIN_WEIGHTS", 0)
+    monkeypatch.setattr("selfspec.execution.selection.AUTO_MIN_WEIGHTS", 0)
     assert ExecutionPath(model, "auto").name == "compiled"
     sliding = make_tiny_target("gemma2").model  # sliding-window layers: not covered, so fast
     assert ExecutionPath(sliding, "auto").name == "fast" and "sliding-window" in ExecutionPath(sliding, "auto").note
     monkeypatch.setenv(COMPILE_ENV, "0")
     path = ExecutionPath(model, "auto")
     assert path.name == "fast" and COMPILE_ENV in path.note
-    monkeypatch.setattr(compiled_module.shutil, "which", lambda name: None)
+    without_compiler = replace(detect_capabilities(), cxx_compiler=False)
     with pytest.raises(SelfspecError, match="--kernels compiled: no C.. compiler"):
-        ExecutionPath(model, "compiled")
+        ExecutionPath(model, "compiled", capabilities=without_compiler)
 
 
 def test_a_failed_compilation_leaves_the_fast_path_under_auto(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(COMPILE_ENV)
-    monkeypatch.setattr("selfspec.kernels.AUTO_MIN_WEIGHTS", 0)
+    monkeypatch.setattr("selfspec.execution.selection.AUTO_MIN_WEIGHTS", 0)
     monkeypatch.setattr(compiled_module, "compile_step", lambda *args: (_ for _ in ()).throw(RuntimeError("no luck")))
     target = make_tiny_target("llama")
     with torch.inference_mode(), target.execution.active():

@@ -13,7 +13,7 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
-from selfspec.kernels import (
+from selfspec.execution import (
     CALIBRATION_ROWS, GROUPED_SDPA, STOCK_ROWS_ENV, ExecutionPath, InPlaceLayer, PackedLinear, RowDispatch, SharedInputLinear,
     SharedInputProduct, packed_linear,
 )

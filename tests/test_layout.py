@@ -76,3 +76,66 @@ def test_the_import_graph_has_no_cycle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its `_functions` and `_Classes`, names it assigns (module and class
+    level, dataclass fields) and attributes it sets on `self` or `cls`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {name for name in names if _is_private(name)}
+
+
+
+def cross_module_private_reads(trees: dict[str, ast.AST]) -> list[str]:
+    """'module:line what' for every read of a private name (`_x`) that some module in `trees` defines, by a module
+    that does not define it, on anything but `self`, `cls` or `super()`; and for every import of a private name from
+    a selfspec module."""
+    defined = {module: _private_names_defined(tree) for module, tree in trees.items()}
+    ours = set().union(*defined.values())
+    offences = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("selfspec")):
+                offences += [f"{module}:{node.lineno} imports {alias.name}"
+                             for alias in node.names if _is_private(alias.name)]
+            if not isinstance(node, ast.Attribute) or node.attr not in ours or node.attr in defined[module]:
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"):
+                continue
+            offences.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+    return offences
+
+
+def test_no_module_reads_another_modules_private_names():
+    """A selfspec module reads a private name only on `self`, `cls` or `super()`, or where it defines that name
+    itself, and never imports another module's: a class's storage and helpers can change without breaking a reader
+    elsewhere (the compiled steps use the in-place KV layer's public `storage`/`reserve`/`mark_filled`, not its
+    `_key_store`). Private names of other libraries (`torch.ops.mkldnn._linear_pointwise`,
+    `config._attn_implementation`) are not selfspec's to police: only names a selfspec module defines count."""
+    offences = cross_module_private_reads({module_name(path): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")})
+    assert not offences, "private names read across modules: " + "; ".join(offences)
+
+
+def test_the_private_name_check_flags_reaches_into_another_module():
+    trees = {
+        "selfspec.storage": ast.parse("class Layer:\n    def __init__(self):\n        self._store = None\n"
+                                      "    def grow(self):\n        self._store = self._store\n_TABLE = {}\n"),
+        "selfspec.reader": ast.parse("from .storage import _TABLE\n"
+                                     "def read(layer, config):\n    config._attn_implementation\n    return layer._store\n"
+                                     "class Sub:\n    def f(self):\n        self._store, super()._store\n"),
+    }
+    assert cross_module_private_reads(trees) == ["selfspec.reader:1 imports _TABLE", "selfspec.reader:4 reads layer._store"]

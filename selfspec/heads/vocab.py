@@ -20,7 +20,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ..cost import CostCurve
-from ..kernels import ExecutionPath, pack_weight, packed_linear
+from ..execution import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import HeadArtifact, LoadedHead, load_vocab_head

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..models import Target
-from .sharegpt import _ROLES, Conversation, load_sharegpt
+from .sharegpt import ROLES, Conversation, load_sharegpt
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ def _record_to_conversation(record, where: str) -> Conversation:
     for turn in turns:
         role = str(turn.get("role", turn.get("from", ""))).lower() if isinstance(turn, dict) else ""
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-        if role not in _ROLES or not isinstance(content, str):
+        if role not in ROLES or not isinstance(content, str):
             raise SelfspecError(f"{where}: each turn needs a known role (user/assistant/system...) and string content")
-        messages.append({"role": _ROLES[role], "content": content})
+        messages.append({"role": ROLES[role], "content": content})
     return Conversation(id=str(record.get("id", where)), messages=tuple(messages))
 
 

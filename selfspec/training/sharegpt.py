@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import SelfspecError
 
 HELDOUT_FRACTION = 0.02
-_ROLES = {
+ROLES = {
     "human": "user",
     "user": "user",
     "gpt": "assistant",
@@ -80,7 +80,7 @@ def to_conversation(record, dropped: dict) -> Conversation | None:
         return None
     messages = []
     for turn in turns:
-        role = _ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
+        role = ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
         content = turn.get("value") if isinstance(turn, dict) else None
         if role is None or not isinstance(content, str):
             dropped["malformed turn"] = dropped.get("malformed turn", 0) + 1

@@ -22,7 +22,7 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
         base = stored - n_nodes  # where the tree starts in this layer's storage
         if base < 0:
             raise RuntimeError(f"the cache holds {stored} positions, fewer than the {n_nodes}-node tree just forwarded")
-        if hasattr(layer, "keep"):  # storage written in place (selfspec.kernels.InPlaceLayer)
+        if hasattr(layer, "keep"):  # storage written in place (selfspec.execution.InPlaceLayer)
             if is_chain_prefix:
                 layer.truncate(base + kept)
             else:

@@ -11,17 +11,16 @@ loops and compiles it into a shared library that any later process loads in abou
 - `tree`: 4-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
   once for small row counts (that packed copy lives in the package).
 Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
-(`kernels.InPlaceLayer`), so a step copies no cache. Compiling takes about a minute per graph on a 2-core CPU, once
-per machine, model weights and software versions: the packages are stored under the selfspec cache. Prefill and
-anything else the graphs do not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager
-fast path.
+(kv_storage.InPlaceLayer, through its public `storage`/`reserve`/`mark_filled`), so a step copies no cache.
+Compiling takes about a minute per graph on a 2-core CPU, once per kind of CPU, model weights, dtype and software
+versions: the packages are stored under the selfspec cache (`package_dir`). Prefill and anything else the graphs do
+not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager fast path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -33,27 +32,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .errors import SelfspecError
-from .files import cache_root, cpu_signature
-from .tree_attention import causal_block_mask
+from ..errors import SelfspecError
+from ..files import cache_root, cpu_signature
+from ..tree_attention import causal_block_mask
+from .kv_storage import InPlaceLayer
 
-COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machines where a minute matters)
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
 GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (one row runs in `few`, padded)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
 PACKAGE_FORMAT = 3  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
-
-
-def compiler_available(model: torch.nn.Module | None = None) -> tuple[bool, str]:
-    """(whether AOTInductor can build the steps of `model` here, why not)."""
-    if model is not None and any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
-        return False, "the compiled step covers full-attention caches only (this model has sliding-window layers)"
-    if not hasattr(torch._inductor, "aoti_compile_and_package"):
-        return False, "this PyTorch has no AOTInductor"
-    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
-        return False, "no C++ compiler (g++) on this machine"
-    return True, ""
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -70,8 +58,13 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def package_dir(model: torch.nn.Module, model_name: str) -> Path:
+    """Where the packages of `model` live: one directory per model weights, dtype (the digest samples the values as
+    float32, so a bfloat16 copy of the same weights would otherwise share it), package format, kind of CPU, thread
+    count and software versions."""
     versions = f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    key = f"{Path(model_name).name}--{weights_digest(model)}--format{PACKAGE_FORMAT}--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    key = (f"{Path(model_name).name}--{weights_digest(model)}--{dtype}--format{PACKAGE_FORMAT}"
+           f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}")
     return cache_root() / "compiled" / key.replace("/", "_")
 
 
@@ -158,9 +151,8 @@ class CompiledStep:
     """The two compiled graphs of one model, built on first use (or loaded from the cache), and the call that routes
     an eligible forward to them."""
 
-    def __init__(self, model: torch.nn.Module, model_name: str, layer_type: type, log=None):
-        """layer_type: the cache layer the graphs write into (kernels.InPlaceLayer: storage, `length`, `reserve`)."""
-        self.model, self.model_name, self.layer_type = model, model_name, layer_type
+    def __init__(self, model: torch.nn.Module, model_name: str, log=None):
+        self.model, self.model_name = model, model_name
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
         self.directory: Path | None = None
@@ -211,13 +203,13 @@ class CompiledStep:
         if kwargs.get("inputs_embeds") is not None or not isinstance(cache, DynamicCache) or not cache.layers:
             return False
         layers = cache.layers
-        return (all(type(layer) is self.layer_type and layer.is_initialized and layer._key_store is not None for layer in layers)
+        return (all(type(layer) is InPlaceLayer and layer.storage is not None for layer in layers)
                 and len({layer.length for layer in layers}) == 1 and layers[0].length >= MIN_CACHED)
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: DynamicCache, output_hidden_states: bool):
         """One step through the compiled graphs; the cache's in-place layers take the new positions."""
         n, cached = input_ids.shape[1], cache.layers[0].length
-        dtype = cache.layers[0]._key_store.dtype
+        dtype = cache.layers[0].storage[0].dtype
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
         if attention_mask is None:  # a chain: causal among the new tokens
@@ -233,10 +225,10 @@ class CompiledStep:
             tree_mask = torch.eye(2, dtype=dtype).sub_(1.0).mul_(-torch.finfo(dtype).min).view(1, 1, 2, 2)
         for layer in cache.layers:
             layer.reserve(cached + rows)
-        stores = ([layer._key_store for layer in cache.layers], [layer._value_store for layer in cache.layers])
+        stores = ([layer.storage[0] for layer in cache.layers], [layer.storage[1] for layer in cache.layers])
         graph = self.runners["few" if rows <= GRAPHS["few"][1] else "tree"]
         logits, hidden = graph(input_ids, position_ids, tree_mask.to(dtype).contiguous(), torch.empty(0, cached), *stores)
         for layer in cache.layers:
-            layer._expose(cached + n)  # a dummy row's key and value stay outside the length
+            layer.mark_filled(cached + n)  # a dummy row's key and value stay outside the length
         return CausalLMOutputWithPast(logits=logits[:, :n], past_key_values=cache,
                                       hidden_states=tuple(state[:, :n] for state in hidden) if output_hidden_states else None)

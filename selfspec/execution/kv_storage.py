@@ -1,0 +1,94 @@
+"""The fast path's KV cache layer: keys and values written in place into storage reserved ahead, instead of
+concatenating every layer's whole cache at every step. Compaction after verification moves the accepted nodes within
+that storage. Writers other than `update` (the compiled steps) use the public part: `storage`, `reserve`,
+`mark_filled` and `length`."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256  # positions reserved at first; storage then doubles past what is needed
+
+
+class InPlaceLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values live in storage reserved ahead (doubled when full): a step
+    writes its positions in place, and `keys`/`values` are views of the filled prefix [0, length). Compaction
+    (`keep`) and trimming (`truncate`) move or drop positions inside that storage."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._key_store: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        self._value_store: torch.Tensor | None = None
+        self.length = 0  # positions filled
+
+    @property
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key storage, value storage), each [batch, kv_heads, capacity, head_dim], or None before the first write.
+        Positions from `length` on are free to write; `mark_filled` then takes them in."""
+        if not self.is_initialized or self._key_store is None:
+            return None
+        return self._key_store, self._value_store
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_store = self._value_store = None
+        self.length = 0
+
+    def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = 0 if self._key_store is None else self._key_store.shape[-2]
+        if needed <= capacity:
+            return
+        capacity = max(MIN_CAPACITY, 2 * needed)
+        key_store = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
+        value_store = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
+        if self.length:
+            key_store[..., : self.length, :] = self.keys
+            value_store[..., : self.length, :] = self.values
+        self._key_store, self._value_store = key_store, value_store
+
+    def reserve(self, needed: int) -> None:
+        """Room for `needed` positions in `storage` (which must exist: after a first `update`). The storage may be
+        replaced: read `storage` after this."""
+        self._reserve(needed, self._key_store, self._value_store)
+
+    def mark_filled(self, length: int) -> None:
+        """Positions [0, length) of `storage` hold this layer's keys and values (a writer other than `update` wrote
+        them in place); positions past `length` are outside the cache even if written."""
+        self.length = length
+        self.keys = self._key_store[..., :length, :]
+        self.values = self._value_store[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        self._reserve(end, key_states, value_states)
+        self._key_store[..., start:end, :] = key_states
+        self._value_store[..., start:end, :] = value_states
+        self.mark_filled(end)
+        return self.keys, self.values
+
+    def keep(self, base: int, offsets: torch.Tensor) -> None:
+        """Keep positions [0, base) and then base + offsets (ascending), packed together from `base` on."""
+        kept = offsets.numel()
+        moved_keys = self._key_store[..., base:, :].index_select(-2, offsets)
+        moved_values = self._value_store[..., base:, :].index_select(-2, offsets)
+        self._key_store[..., base : base + kept, :] = moved_keys
+        self._value_store[..., base : base + kept, :] = moved_values
+        self.mark_filled(base + kept)
+
+    def truncate(self, length: int) -> None:
+        if self.is_initialized and self._key_store is not None:
+            self.mark_filled(min(length, self.length))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
+        if tokens_to_remove:
+            self.truncate(max(0, self.length + tokens_to_remove))
+
+    def reset(self) -> None:
+        self._key_store = self._value_store = None
+        self.length = 0
+        super().reset()

@@ -1,0 +1,97 @@
+"""Which execution path runs a model: a pure function of the path asked for, the model (its device, dtype, size and
+cache layers) and the CPU's capabilities, so every branch can be tested with capabilities passed in.
+
+- `stock`: transformers as it is, anywhere.
+- `fast`: a CPU in float32 with oneDNN's packed linear kernels (linears.py, attention.py, kv_storage.py).
+- `compiled`: `fast` with the decoding steps compiled ahead of time (compiled.py); full-attention caches only, and
+  it needs AOTInductor and a C++ compiler.
+- `auto`: the best of these that exists here, except that a tiny model stays on `stock` (its weights sit in cache
+  anyway, and oneDNN's per-call overhead outweighs what packing saves) and $SELFSPEC_COMPILE=0 keeps it from
+  compiling. Asking for a path that cannot run here is an error naming the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..errors import SelfspecError
+from .capabilities import CpuCapabilities, detect_capabilities
+
+KERNEL_CHOICES = ("auto", "stock", "fast", "compiled")
+# `auto` packs only models whose linear layers hold at least this many weights (tiny test models run faster stock).
+AUTO_MIN_WEIGHTS = 1 << 20
+COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machines where a minute matters)
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What path selection needs to know of a model."""
+
+    device_type: str  # "cpu", "cuda", ...
+    dtype: torch.dtype
+    linear_weights: int  # weights held by its nn.Linear layers
+    full_attention_only: bool  # every layer of its cache is a full-attention DynamicLayer (what compiled steps cover)
+
+
+def model_traits(model: torch.nn.Module) -> ModelTraits:
+    parameter = next(model.parameters())
+    linear_weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+    full_attention = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+    return ModelTraits(parameter.device.type, parameter.dtype, linear_weights, full_attention)
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    name: str  # "stock", "fast" or "compiled"
+    note: str = ""  # under `auto`, why a faster path does not run here ("" when none is missing)
+
+
+def fast_path_available(device: torch.device | str, dtype: torch.dtype, cpu: CpuCapabilities | None = None) -> tuple[bool, str]:
+    """(whether `fast` differs from `stock` here, why not if it does not); `cpu`: this machine's when not given."""
+    device_type = torch.device(device).type
+    if device_type != "cpu":
+        return False, f"no fast path for {device_type} yet: the stock kernels run"
+    if dtype != torch.float32:
+        return False, f"the CPU fast path packs float32 weights; this model is {str(dtype).replace('torch.', '')}"
+    if not (cpu or detect_capabilities()).onednn_linear:
+        return False, "this PyTorch build has no oneDNN linear kernels"
+    return True, ""
+
+
+def compile_support(cpu: CpuCapabilities, model: ModelTraits | None = None) -> tuple[bool, str]:
+    """(whether AOTInductor can build the steps of `model` here, why not); no model: whether it can build any."""
+    if model is not None and not model.full_attention_only:
+        return False, "the compiled step covers full-attention caches only (this model has sliding-window layers)"
+    if not cpu.aot_inductor:
+        return False, "this PyTorch has no AOTInductor"
+    if not cpu.cxx_compiler:
+        return False, "no C++ compiler (g++) on this machine"
+    return True, ""
+
+
+def select_path(kernels: str, model: ModelTraits, cpu: CpuCapabilities, auto_compiles: bool = True) -> PathChoice:
+    """The path `kernels` (a KERNEL_CHOICES entry) gives this model on this CPU; `auto_compiles`: False where
+    $SELFSPEC_COMPILE=0. A named path that cannot run here is a SelfspecError saying why and what to use instead."""
+    if kernels not in KERNEL_CHOICES:
+        raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
+    available, reason = fast_path_available(model.device_type, model.dtype, cpu)
+    if kernels in ("fast", "compiled") and not available:
+        raise SelfspecError(f"--kernels {kernels}: {reason}; use --kernels stock or auto")
+    if kernels == "stock":
+        return PathChoice("stock")
+    if kernels == "auto" and available and model.linear_weights < AUTO_MIN_WEIGHTS:
+        available, reason = False, "a model this small runs faster on the stock kernels"
+    if not available:  # only `auto` gets here
+        return PathChoice("stock", reason)
+    compiles, why_not = compile_support(cpu, model)
+    if kernels == "compiled" and not compiles:
+        raise SelfspecError(f"--kernels compiled: {why_not}; use --kernels fast or auto")
+    if kernels != "auto":
+        return PathChoice(kernels)
+    if compiles and not auto_compiles:
+        compiles, why_not = False, f"${COMPILE_ENV}=0"
+    return PathChoice("compiled") if compiles else PathChoice("fast", f"no compiled step: {why_not}")
