@@ -118,7 +118,7 @@ class SelfSpec:
             raise SelfspecError("pass exactly one of prompt or input_ids")
         if prompt is not None:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
-        input_ids = validate_request(self.target, input_ids, max_new_tokens)  # before any first-use work (`drafter`)
+        input_ids = validate_request(self.target, input_ids, max_new_tokens, seed)  # before any first-use work (`drafter`)
         sinks = ([TextStream(self.target, stream)] if stream is not None else []) + ([on_step] if on_step is not None else [])
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
         tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it
