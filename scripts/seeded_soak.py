@@ -15,7 +15,9 @@ Writes soak.json and soak.md under --out.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import psutil
 
 from selfspec import SelfSpec
 from selfspec.bench.prompts import load_prompt_set
+from selfspec.execution import describe_cpu
 from selfspec.files import atomic_write_text
 from selfspec.models import load_target
 
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/results/seeded-soak")
     args = parser.parse_args(argv)
     target = load_target("default")
-    report = {"settings": {**vars(args), **SAMPLED}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"settings": {**vars(args), **SAMPLED}, "commit": commit, "machine": describe_cpu(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if args.prompts:
         report["drafters"] = drafters_agree(target, prompts(args.prompts), args.max_new_tokens)
     if args.requests:
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "soak.json", json.dumps(report, indent=1) + "\n")
-    lines = ["| drafter | same seeded text as none | tau |", "|---|---|---|"]
+    lines = [f"{report['date']}, commit {commit}, {report['machine']}: `python scripts/seeded_soak.py`", "",
+             "| drafter | same seeded text as none | tau |", "|---|---|---|"]
     lines += [f"| {name} | {row['same_as_none']}/{row['prompts']} | {row['tau']} |" for name, row in report.get("drafters", {}).items()]
     if "soak" in report:
         soak_report = report["soak"]

@@ -12,6 +12,7 @@ import torch
 
 from ..cost import target_cost_curve
 from ..errors import SelfspecError
+from ..execution import describe_cpu
 from ..heads import parse_drafter_options
 from ..models import Target
 from ..options import split_drafter_specs
@@ -99,7 +100,7 @@ def run_bench(target: Target, request: BenchRequest, settings: BenchSettings) ->
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"CPU ({describe_cpu()}, {torch.get_num_threads()} threads)"
 
 
 def valid_peers() -> tuple[str, ...]:

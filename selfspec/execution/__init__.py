@@ -15,7 +15,7 @@ without oneDNN) `auto` is the stock path, and says so.
 
 from .attention import GROUPED_SDPA
 from .calibration import CALIBRATION_ROWS, STOCK_ROWS_ENV, calibrate, measure_stock_rows
-from .capabilities import CpuCapabilities, detect_capabilities
+from .capabilities import CpuCapabilities, describe_cpu, detect_capabilities
 from .compiled import CompiledStep, package_dir
 from .kv_storage import InPlaceLayer
 from .linears import PackedLinear, RowDispatch, SharedInputLinear, SharedInputProduct, pack_weight, packed_linear
@@ -28,7 +28,7 @@ from .selection import (
 __all__ = [
     "AUTO_MIN_WEIGHTS", "CALIBRATION_ROWS", "COMPILE_ENV", "GROUPED_SDPA", "KERNEL_CHOICES", "STOCK_ROWS_ENV",
     "CompiledStep", "CpuCapabilities", "ExecutionPath", "InPlaceLayer", "ModelTraits", "PackedLinear", "PathChoice",
-    "RowDispatch", "SharedInputLinear", "SharedInputProduct", "calibrate", "compile_support", "detect_capabilities",
+    "RowDispatch", "SharedInputLinear", "SharedInputProduct", "calibrate", "compile_support", "describe_cpu", "detect_capabilities",
     "fast_path_available", "measure_stock_rows", "model_traits", "pack_weight", "packed_linear", "package_dir",
     "select_path",
 ]

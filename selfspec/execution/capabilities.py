@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import shutil
 from dataclasses import dataclass
 
@@ -32,6 +33,25 @@ def cpu_flags() -> frozenset[str]:
             if line.startswith("flags"):
                 return frozenset(line.partition(":")[2].split())
     return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return ""
+
+
+def describe_cpu() -> str:
+    """One line for reports: the model name and the widest instruction set that matters here."""
+    capabilities = detect_capabilities()
+    isa = ("AMX" if capabilities.amx_bf16 else "AVX-512" if capabilities.avx512 else "AVX2" if capabilities.avx2
+           else "no AVX2")
+    return f"{cpu_model() or platform.machine()}, {isa}"
 
 
 @functools.lru_cache(maxsize=1)
