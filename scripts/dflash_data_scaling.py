@@ -25,42 +25,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from eagle_data_scaling import eval_set  # noqa: E402
-
-from selfspec.decoding import speculative_generate  # noqa: E402
-from selfspec.heads import create_drafter  # noqa: E402
-from selfspec.heads.artifacts import find_shipped_head, save_head  # noqa: E402
-from selfspec.heads.dflash import DFlashConfig, DFlashHead, resolve_feature_layers  # noqa: E402
-from selfspec.models import load_target  # noqa: E402
-from selfspec.training.config import load_recipe  # noqa: E402
-from selfspec.training.dflash import DFlashTraining, rarest_token  # noqa: E402
-from selfspec.training.losses import draft_vocabulary  # noqa: E402
-from selfspec.training.stages import recipe_data  # noqa: E402
-from selfspec.training.trainer import train  # noqa: E402
-
-DEPTHS = (1, 2, 4)
-
-
-def chain_accuracy(target, head: DFlashHead, rows) -> list[float]:
-    """P(block drafts 1..d all equal the target's greedy tokens) for d in DEPTHS, every continuation position an anchor."""
-    hits, total = torch.zeros(len(DEPTHS)), 0
-    deepest = max(DEPTHS)
-    with torch.inference_mode():
-        for sequence, prompt_length in rows:
-            ids = sequence.view(1, -1).to(target.device)
-            hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
-            features = torch.cat([hidden[layer] for layer in head.feature_layers], dim=-1).float()
-            anchors = torch.arange(prompt_length, len(sequence) - deepest).view(1, -1)  # block slot i drafts token a + i
-            outputs = head.blocks(features, ids, anchors)[0, :, 1 : deepest + 1]  # [A, deepest, H]
-            drafts = head.draft_vocab[head.draft_logits(outputs).argmax(-1)].cpu()
-            want = sequence[anchors.view(-1, 1) + torch.arange(1, deepest + 1)]  # the continuation is greedy
-            right = (drafts == want).cumprod(dim=1)
-            for index, depth in enumerate(DEPTHS):
-                hits[index] += right[:, depth - 1].sum()
-            total += anchors.shape[1]
-    return [round(float(h) / max(1, total), 4) for h in hits]
+from selfspec.decoding import speculative_generate
+from selfspec.heads import create_drafter
+from selfspec.heads.artifacts import find_shipped_head, save_head
+from selfspec.heads.dflash import DFlashConfig, resolve_feature_layers
+from selfspec.models import load_target
+from selfspec.training.config import load_recipe
+from selfspec.training.dflash import DFlashTraining, new_dflash_head
+from selfspec.training.draft_accuracy import dflash_chain_accuracy, greedy_continuations
+from selfspec.training.stages import recipe_data
+from selfspec.training.trainer import train
 
 
 def mean_tau(target, heads_dir: Path, rows, new_tokens: int) -> float:
@@ -90,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = resolve_feature_layers(config.dflash, target.config.num_hidden_layers)
     timings: dict = {}
     data = recipe_data(target, config, layers, timings).train
-    evaluation = eval_set(target, out, args.eval_prompts, config.eval.max_new_tokens)
+    evaluation = greedy_continuations(target, out, args.eval_prompts, config.eval.max_new_tokens)
     results = []
 
     def measure(name: str, heads_dir: Path, sequences: int, tokens: int, steps: int, train_s: float | None) -> None:
@@ -98,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"drafter": name, "sequences": sequences, "learnable_tokens": tokens, "steps": steps,
                "train_s": None if train_s is None else round(train_s, 1)}
         for dataset, rows in evaluation.items():
-            row[dataset] = {"chain": chain_accuracy(target, head, rows),
+            row[dataset] = {"chain": dflash_chain_accuracy(target, head, rows),
                             "tau": mean_tau(target, heads_dir, rows, config.eval.max_new_tokens)}
         results.append(row)
         print(json.dumps(row), flush=True)
@@ -110,10 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = max(1, round(full_steps * fraction))
         learnable = sum(int(s.loss_mask[1:].sum()) for s in subset)
         torch.manual_seed(config.train.seed)
-        dflash = DFlashConfig(**{**config.dflash.__dict__, "feature_layers": layers,
-                                 "mask_token_id": rarest_token(subset, target.vocab_size)})
-        head = DFlashHead(dflash, target, draft_vocabulary(subset, dflash.draft_vocab_size, target.vocab_size)).float()
-        head.init_from_target(target)
+        dflash, head = new_dflash_head(target, config.dflash, layers, subset)
         began = time.perf_counter()
         train(DFlashTraining(head, dflash), count, subset.__getitem__, dataclasses.replace(config.train, max_steps=steps),
               out / f"checkpoints-{fraction:g}", resume=False, max_steps=steps)

@@ -15,11 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_data_scaling import chain_accuracy, eval_set
-
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import heads_kind
 from selfspec.models import load_target
+from selfspec.training.draft_accuracy import eagle_chain_accuracy, greedy_continuations
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(args.model)
-    evaluation = eval_set(target, out, args.eval_prompts, args.max_new_tokens)
+    evaluation = greedy_continuations(target, out, args.eval_prompts, args.max_new_tokens)
     rows = []
     for directory in args.heads:
         kind = heads_kind(Path(directory))
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         head = create_drafter(kind, target, directory).head.float()
         row = {"heads": directory, "drafter": kind}
         for dataset, sequences in evaluation.items():
-            row[dataset] = chain_accuracy(target, head, head.config, sequences)
+            row[dataset] = eagle_chain_accuracy(target, head, head.config, sequences)
         rows.append(row)
         print(json.dumps(row), flush=True)
     (out / "accuracy.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -20,65 +20,15 @@ from pathlib import Path
 
 import torch
 
-from selfspec.bench.prompts import load_prompt_set
-from selfspec.decoding import speculative_generate
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import save_head
 from selfspec.heads.eagle import EagleFamilyHead, EagleHead
 from selfspec.models import load_target
 from selfspec.training.config import load_recipe
-from selfspec.training.eagle import EagleTraining
-from selfspec.training.losses import draft_vocabulary
+from selfspec.training.draft_accuracy import eagle_chain_accuracy, greedy_continuations
+from selfspec.training.eagle import EagleTraining, new_eagle_head
 from selfspec.training.stages import recipe_data
 from selfspec.training.trainer import train
-
-DEPTHS = 3
-
-
-def eval_set(target, out: Path, per_set: int, new_tokens: int) -> dict[str, list[tuple[torch.Tensor, int]]]:
-    """dataset -> [(prompt + the target's greedy continuation, prompt length)], cached under `out`."""
-    path = out / f"eval-{per_set}x{new_tokens}.pt"
-    if path.is_file():
-        return torch.load(path)
-    plain = create_drafter("none", target)
-    sets = {}
-    for name in ("mtbench", "humaneval", "sharegpt"):
-        rows = []
-        for item in load_prompt_set(name, per_set):
-            ids = target.encode_prompt(item.text, chat=True).view(-1)
-            tokens, _ = speculative_generate(target, plain, ids, new_tokens)
-            rows.append((torch.cat([ids.cpu(), torch.tensor(tokens)]), len(ids)))
-        sets[name] = rows
-    torch.save(sets, path)
-    return sets
-
-
-def chain_accuracy(target, head: EagleFamilyHead, config, rows) -> list[float]:
-    """P(drafts 1..d all equal the target's greedy tokens), d = 1..DEPTHS, over the continuation positions (an EAGLE
-    or an EAGLE-3 head: the features are whichever layers the head reads)."""
-    unroller = EagleTraining(head, config).eval()
-    hits, total = torch.zeros(DEPTHS), 0
-    with torch.inference_mode():
-        for sequence, prompt_length in rows:
-            outputs = target.model(input_ids=sequence.view(1, -1).to(target.device), output_hidden_states=True)
-            hidden = {layer: outputs.hidden_states[layer][0, :-1].float() for layer in head.feature_layers}
-            features = head.fuse(head.gather_features(hidden))  # row t: feature t
-            greedy = outputs.logits[0].argmax(-1).cpu()  # greedy[i]: the target's token after position i
-            ids = sequence.view(1, -1)
-            correct = []
-            for step, predicted in enumerate(unroller.unroll(features.unsqueeze(0), ids, DEPTHS)):
-                # row t at step s drafts the token after position t + s + 1
-                draft = head.draft_vocab[head.draft_logits(predicted[0]).argmax(-1)].cpu()
-                want = torch.full_like(draft, -1)
-                want[: len(want) - step] = greedy[1 + step :][: len(want) - step]
-                correct.append(draft == want)
-            rows_used = range(prompt_length - 1, len(sequence) - 1 - DEPTHS)  # roots inside the continuation
-            chain = torch.ones(len(rows_used), dtype=torch.bool)
-            for depth in range(DEPTHS):
-                chain &= correct[depth][rows_used.start : rows_used.stop]
-                hits[depth] += chain.sum()
-            total += len(rows_used)
-    return [round(float(h) / max(1, total), 4) for h in hits]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,13 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(config.model)
     timings: dict = {}
     data = recipe_data(target, config, (-1,), timings).train
-    evaluation = eval_set(target, out, args.eval_prompts, config.eval.max_new_tokens)
+    evaluation = greedy_continuations(target, out, args.eval_prompts, config.eval.max_new_tokens)
     results = []
 
-    def measure(name: str, head: EagleHead, sequences: int, tokens: int, train_s: float) -> None:
+    def measure(name: str, head: EagleFamilyHead, sequences: int, tokens: int, train_s: float) -> None:
         row = {"head": name, "sequences": sequences, "learnable_tokens": tokens, "train_s": round(train_s, 1)}
         for dataset, rows in evaluation.items():
-            row[dataset] = chain_accuracy(target, head, config.eagle, rows)
+            row[dataset] = eagle_chain_accuracy(target, head, config.eagle, rows)
         results.append(row)
         print(json.dumps(row), flush=True)
 
@@ -117,8 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         subset = data.sample[:count]
         learnable = sum(int(s.loss_mask[1:].sum()) for s in subset)
         torch.manual_seed(config.train.seed)
-        vocab = draft_vocabulary(subset, config.eagle.draft_vocab_size, target.vocab_size)
-        head = EagleHead(config.eagle, target, vocab).float()
+        _, head = new_eagle_head(target, config.eagle, EagleHead, subset)
         began = time.perf_counter()
         train(EagleTraining(head, config.eagle), count, subset.__getitem__, config.train,
               out / f"checkpoints-{fraction:g}", resume=False, max_steps=args.steps)

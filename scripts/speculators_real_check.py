@@ -17,15 +17,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from selfspec.exchange import export_heads
+from selfspec.heads import create_drafter
+from selfspec.heads.artifacts import heads_kind
+from selfspec.models import load_target
+from selfspec.training.eagle import EagleTraining
 
-from selfspec.exchange import export_heads  # noqa: E402
-from selfspec.heads import create_drafter  # noqa: E402
-from selfspec.heads.artifacts import heads_kind  # noqa: E402
-from selfspec.models import load_target  # noqa: E402
-from selfspec.training.eagle import EagleTraining  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: its side venv and tests/speculators_forward.py
 SIDE_PYTHON = ROOT / ".speculators-venv" / "bin" / "python"
 PROMPT = "Explain in a few sentences why the sky is blue, then give one everyday example of the same effect."
 

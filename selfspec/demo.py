@@ -18,7 +18,6 @@ Events of `GET /api/generate?prompt=...&drafter=...&compare=1&max_new_tokens=N`,
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http import HTTPStatus
@@ -171,9 +170,3 @@ def serve(server: ThreadingHTTPServer, state: DemoState) -> None:
         server.serve_forever()
     finally:
         server.server_close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

@@ -53,10 +53,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda temp: temp.write_text(text, encoding="utf-8"))
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    return atomic_write(path, lambda temp: temp.write_bytes(data))
-
-
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary directory beside `path` to fill; on success it replaces `path` (an existing directory is

@@ -81,7 +81,7 @@ def test_cli_errors_are_one_line(tiny_checkpoint, capsys, extra, fragment):
     assert main(["generate", "--model", str(tiny_checkpoint), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1
-    assert pytest.importorskip("re").search(fragment, err), err
+    assert fragment in err, err
 
 
 def test_cli_missing_model_and_corrupt_file(tmp_path, tiny_checkpoint, capsys):

@@ -55,7 +55,8 @@ def test_the_page_and_the_drafter_list(tiny_demo):
 
 
 def test_the_stream_runs_the_drafter_then_plain_decoding_with_the_same_text(tiny_demo):
-    stream = events(tiny_demo, prompt="the cat sat on the mat the cat", max_new_tokens=12)
+    # A prompt whose greedy continuation prompt lookup drafts a token of, on the tiny checkpoint: a burst shows.
+    stream = events(tiny_demo, prompt="mat a the three red was dog ran", max_new_tokens=12)
     assert [event["event"] for event in stream if event["event"] != "step"] == ["start", "done", "start", "done", "end"]
     assert [event["run"] for event in stream if event["event"] == "start"] == ["spec", "plain"]
     texts, done = {}, {}
@@ -66,10 +67,13 @@ def test_the_stream_runs_the_drafter_then_plain_decoding_with_the_same_text(tiny
         elif event["event"] == "done":
             done[event["run"]] = event
     assert texts["spec"] == texts["plain"] and texts["spec"]  # lossless: greedy speculation is plain decoding
-    assert 0 < done["spec"]["tokens"] == done["plain"]["tokens"] <= 12
+    assert done["spec"]["tokens"] == done["plain"]["tokens"] == 12  # no EOS within 12 tokens for this prompt
     steps = [event for event in stream if event["event"] == "step" and event["run"] == "spec"]
     assert [event["elapsed"] for event in steps] == sorted(event["elapsed"] for event in steps)
-    assert done["plain"]["tau"] == 1.0 and done["spec"]["tau"] >= 1.0
+    assert any(event["burst"] for event in steps) and done["plain"]["tau"] == 1.0
+    assert done["spec"]["forwards"] == len(steps)  # a step event per forward
+    assert sum(event["accepted"] for event in steps) == done["spec"]["tokens"]
+    assert done["spec"]["tau"] == round(done["spec"]["tokens"] / len(steps), 3)
 
 
 @pytest.mark.parametrize("query, fragment", [

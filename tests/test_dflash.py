@@ -129,7 +129,7 @@ def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     from selfspec.training.labels import label_sequence
     from selfspec.training.sharegpt import Conversation
 
-    from .conftest import WORDS
+    from .helpers import WORDS
 
     target = load_target(str(tiny_checkpoint))
     config = DFlashConfig(block_size=4, draft_vocab_size=0, anchors_per_sequence=4, mask_token_id=0)

@@ -186,16 +186,26 @@ def test_every_builtin_drafter_is_registered_and_has_a_case():
 def test_a_new_registration_joins_the_suite(tmp_path):
     @register_drafter("contract-probe")
     class ProbeDrafter(Drafter):
-        def propose(self, request):
-            return DraftTree.root_only(request.root_token)
+        def propose(self, request):  # the root token twice over: a chain the loop verifies (and mostly rejects)
+            depth = min(2, request.max_depth)
+            return DraftTree.from_paths(request.root_token, [[request.root_token] * depth] if depth else [])
 
+    target = make_tiny_target("llama")
     try:
         assert "contract-probe" in contract_names()  # parametrised over at the next collection
         assert case_for("contract-probe") == Case()  # parameter-free: the default case serves it
+        drafter = build("contract-probe", target, tmp_path)
+        assert type(drafter) is ProbeDrafter and drafter_entry("contract-probe").drafter_cls is ProbeDrafter
+        _, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 8, pace=False)
+        assert max(stats.tree_sizes) == 3  # its trees reach the verifier
         check_greedy("contract-probe", "llama", tmp_path)
+        with pytest.raises(SelfspecError, match=r"^unknown drafter 'contract-prob': choose one of .*contract-probe"):
+            create_drafter("contract-prob", target)
     finally:
         unregister_drafter("contract-probe")
     assert "contract-probe" not in contract_names()
+    with pytest.raises(SelfspecError, match="unknown drafter 'contract-probe'"):
+        create_drafter("contract-probe", target)
 
 
 # ---- the contract, per registered drafter ------------------------------------------------------------------------------

@@ -210,8 +210,10 @@ def test_seeded_study_is_reproducible_resumable_and_found_by_the_drafter(tmp_pat
     summary = load_skip_file(out / "layerskip.json", target).study
     assert summary["trials"] == 6 and summary["best"]["value"] >= summary["baseline_every_other_layer"]["value"]
     assert len(drafter.forward.draft_vocab) == 12 and summary["plain_tokens_per_s"] > 0
-    tokens, _ = speculative_generate(target, drafter, torch.tensor([1, 5, 6, 7]), 8)
-    assert 1 <= len(tokens) <= 8
+    prompt = [1, 5, 6, 7, 8]  # greedy meets no EOS within 8 tokens
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 8, pace=False)
+    assert list(tokens) == hf_greedy(target, prompt, 8) and len(tokens) == 8
+    assert max(stats.tree_sizes) > 1  # the tuned drafter drafted, and its drafts stayed lossless
 
 
 def test_tune_bad_input_is_one_line(tmp_path, tiny_checkpoint, capsys):

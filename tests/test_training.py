@@ -4,6 +4,7 @@ the whole recipe on a tiny checkpoint, Medusa-2 with LoRA, configs and CLI error
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -126,9 +127,20 @@ def test_whole_recipe_on_a_tiny_checkpoint(tmp_path, tiny_checkpoint, fake_share
     heads_dir = tmp_path / "heads"
     assert (heads_dir / "training_report.json").is_file() and (tmp_path / "work" / "regenerated.jsonl").is_file()
     assert report["steps"] == 12 and report["draft_vocab_size"] == 16
-    assert report["heldout"]["prompts"] == 2 and report["heldout"]["mean_accepted_length"] >= 1.0
-    tree = json.loads((heads_dir / "config.json").read_text())["data"]["tree"]
-    assert 1 <= len(tree["paths"]) <= 7 and tree["values"] == sorted(tree["values"], reverse=True)
+    heldout = report["heldout"]
+    assert [prompt["id"] for prompt in heldout["per_prompt"]] == ["r98", "r99"]  # the held-out split: the last 2%
+    steps = sum(prompt["tokens"] / prompt["tau"] for prompt in heldout["per_prompt"])
+    assert heldout["mean_accepted_length"] == pytest.approx(sum(p["tokens"] for p in heldout["per_prompt"]) / steps)
+    data = json.loads((heads_dir / "config.json").read_text())["data"]
+    tree, accuracies = data["tree"], data["accuracies"]
+    # 2 heads x 3 ranks offer 12 paths, so the tree is full: max_tree_nodes 8 = the root and 7 paths, best first,
+    # each path after its parent and valued at the product of its heads' accuracies at its ranks.
+    paths = [tuple(path) for path in tree["paths"]]
+    assert len(paths) == len(set(paths)) == 7
+    assert all(path[:-1] in paths[:index] for index, path in enumerate(paths) if len(path) > 1)
+    expected = [math.prod(accuracies[depth][rank] for depth, rank in enumerate(path)) for path in paths]
+    assert tree["values"] == pytest.approx(expected, abs=1e-3)
+    assert tree["values"] == sorted(tree["values"], reverse=True)
     target = load_target(str(tiny_checkpoint))
     drafter = create_drafter("medusa", target, heads_dir)
     prompt = target.encode_prompt("the cat sat on")[0].tolist()

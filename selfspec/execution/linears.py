@@ -2,12 +2,12 @@
 small-row GEMMs.
 
 Stock PyTorch takes a gemv for one row and, for 2+ rows, a GEMM that repacks the weight on every call, so a forward
-over a 2-16-node tree costs 1.5-2.2x a one-token step although it reads the same weights; with the weights packed
+over a small tree costs well above a one-token step although it reads the same weights; with the weights packed
 once, the GEMM for 16 rows reads them as one row does. Projections that read the same input (a layer's q, k and v)
 run as one GEMM over their concatenated weights. The packed modules are built from the stock modules' own weights
 and the stock modules are put back after use (`ModuleSwap`). Below a row count measured once per machine
 (`RowDispatch`, calibration.py) they call the stock kernel instead: on some CPUs it beats the packed one at a few
-rows (an AVX-512 Xeon: up to 3 rows), on others it never does (an AVX2 EPYC).
+rows, on others it never does (docs/execution.md).
 """
 
 from __future__ import annotations

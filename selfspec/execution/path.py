@@ -116,10 +116,3 @@ class ExecutionPath:
         if self.name != "stock":
             cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
         return cache
-
-    def invalidate(self) -> None:
-        """Forget the packed weights and compiled steps (after the model's weights change, e.g. an adapter merged into
-        it): the next activation packs, and loads or compiles, for the new weights."""
-        self._swaps = None
-        if self.compiled is not None:
-            self.compiled.runners = None

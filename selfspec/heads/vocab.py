@@ -60,7 +60,7 @@ class ReducedVocabHead(torch.nn.Module):
 
     def pack_for(self, execution: ExecutionPath) -> None:
         """Inference only (a drafter's frozen head): on the fast path, pack the head's linear layers and its draft LM
-        head once, as the target's are (a [rows, H] x [H, V_draft] product costs 2-4x more unpacked at 2+ rows)."""
+        head once, as the target's are (unpacked, a [rows, H] x [H, V_draft] product repacks the weight every call)."""
         if execution.pack(self):
             self.packed_lm = pack_weight(self.draft_lm_weight)
 

@@ -15,6 +15,7 @@ from ..errors import SelfspecError
 from ..heads.dflash import DFlashConfig, DFlashHead, resolve_feature_layers
 from ..models import Target
 from .config import RecipeConfig
+from .labels import LabeledSequence
 from .losses import draft_vocabulary
 from .stages import recipe_data, train_and_save
 from .trainer import Batch, TrainableHead
@@ -94,11 +95,18 @@ def train_dflash(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     dflash = config.dflash
     layers = resolve_feature_layers(dflash, target.config.num_hidden_layers)
     data = recipe_data(target, config, layers, timings)
-    mask_token = dflash.mask_token_id if dflash.mask_token_id >= 0 else rarest_token(data.train.sample, target.vocab_size)
-    # Stored resolved, so loading needs no rule.
-    dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers, "mask_token_id": mask_token})
-    draft_vocab = draft_vocabulary(data.train.sample, dflash.draft_vocab_size, target.vocab_size)
-    head = DFlashHead(dflash, target, draft_vocab).float()
-    head.init_from_target(target)
+    dflash, head = new_dflash_head(target, dflash, layers, data.train.sample)
     module = DFlashTraining(head, dflash)
     return train_and_save(target, config, head, module, dflash, data, timings, resume, max_steps, feature_layers=list(layers))
+
+
+def new_dflash_head(target: Target, dflash: DFlashConfig, layers: tuple[int, ...],
+                    sequences: list[LabeledSequence]) -> tuple[DFlashConfig, DFlashHead]:
+    """(config as saved, an untrained fp32 head initialised from the target's top layers) whose mask token (unless
+    the config names one) and draft vocabulary come from `sequences`."""
+    mask_token = dflash.mask_token_id if dflash.mask_token_id >= 0 else rarest_token(sequences, target.vocab_size)
+    # Stored resolved, so loading needs no rule.
+    dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers, "mask_token_id": mask_token})
+    head = DFlashHead(dflash, target, draft_vocabulary(sequences, dflash.draft_vocab_size, target.vocab_size)).float()
+    head.init_from_target(target)
+    return dflash, head

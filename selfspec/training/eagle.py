@@ -16,6 +16,7 @@ from ..errors import SelfspecError
 from ..heads.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleFamilyHead, EagleHead, resolve_eagle3_layers
 from ..models import Target
 from .config import RecipeConfig
+from .labels import LabeledSequence
 from .losses import draft_vocabulary, soft_cross_entropy
 from .stages import recipe_data, train_and_save
 from .trainer import Batch, TrainableHead
@@ -102,8 +103,16 @@ def _train_eagle_family(target: Target, config: RecipeConfig, eagle: EagleConfig
     if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
         raise SelfspecError(f"{config.drafter}: top_k, depth and max_tree_nodes must be >= 1")
     data = recipe_data(target, config, layers, timings)
-    draft_vocab = draft_vocabulary(data.train.sample, eagle.draft_vocab_size, target.vocab_size)
+    eagle, head = new_eagle_head(target, eagle, head_cls, data.train.sample)
+    return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)
+
+
+def new_eagle_head(target: Target, eagle: EagleConfig, head_cls,
+                   sequences: list[LabeledSequence]) -> tuple[EagleConfig, EagleFamilyHead]:
+    """(config as saved, an untrained fp32 head of `head_cls`) whose draft vocabulary is the most frequent tokens
+    of `sequences`."""
+    draft_vocab = draft_vocabulary(sequences, eagle.draft_vocab_size, target.vocab_size)
     head = head_cls(eagle, target, draft_vocab).float()
     if isinstance(eagle, Eagle3Config):  # the layers used are part of the head: written into its config
         eagle = Eagle3Config(**{**eagle.__dict__, "feature_layers": head.feature_layers})
-    return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)
+    return eagle, head

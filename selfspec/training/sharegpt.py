@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from ..errors import SelfspecError
 
-HELDOUT_FRACTION = 0.02
+HELDOUT_FRACTION = Fraction(2, 100)  # exact, so the boundary is the same integer on every platform
 ROLES = {
     "human": "user",
     "user": "user",
@@ -68,8 +70,8 @@ def parse_complete_records(text: str) -> list:
 
 
 def heldout_boundary(complete_records: int) -> int:
-    """Index of the first held-out record: the last 2% (rounded up) are held out."""
-    return complete_records - max(1, -(-complete_records * 2 // 100))
+    """Index of the first held-out record: the last HELDOUT_FRACTION (rounded up, at least one) are held out."""
+    return complete_records - max(1, math.ceil(complete_records * HELDOUT_FRACTION))
 
 
 def to_conversation(record, dropped: dict) -> Conversation | None:
