@@ -23,6 +23,8 @@ METRIC_POSITIONS = (1, 2, 4, 8)  # block positions whose top-1 agreement the pro
 
 
 class DFlashTraining(TrainableHead):
+    first_draft_metric = "top1@1"
+
     def __init__(self, head: DFlashHead, config: DFlashConfig):
         super().__init__()
         if config.anchors_per_sequence < 1 or not 0 < config.loss_decay <= 1:

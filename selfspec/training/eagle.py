@@ -26,6 +26,8 @@ class EagleTraining(TrainableHead):
     (the head's own step s - 1 prediction of feature t + s, token t + s + 1) at position t + s + 1, attending to
     the teacher-forced pairs 0..t and to row t of every earlier step, exactly the keys a depth-s draft node sees."""
 
+    first_draft_metric = "top1"
+
     def __init__(self, head: EagleFamilyHead, config: EagleConfig):
         super().__init__()
         if config.unroll_steps < 1:
