@@ -147,7 +147,8 @@ def _counting(monkeypatch, module, name: str) -> list:
 
 def test_a_recipe_stopped_in_each_stage_resumes_to_the_uninterrupted_heads(tmp_path, tiny_checkpoint, fake_sharegpt,
                                                                            monkeypatch):
-    straight = tiny_recipe(tmp_path / "straight", tiny_checkpoint, drafter="eagle", out=str(tmp_path / "straight-heads"))
+    straight = tiny_recipe(tmp_path / "straight", tiny_checkpoint, drafter="eagle",
+                           out=str(tmp_path / "straight-heads"))
     run_recipe(straight)
     config = replace(straight, out=str(tmp_path / "heads"), work_dir=str(tmp_path / "work"))
     with monkeypatch.context() as patch:  # 1. stopped after the first regeneration batch (of 16 prompts)

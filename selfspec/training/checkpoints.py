@@ -50,7 +50,8 @@ class CheckpointClock:
         if config.checkpoint_every < 1 or config.checkpoint_minutes < 0:
             raise SelfspecError(f"train.checkpoint_every must be >= 1 and train.checkpoint_minutes >= 0, got "
                                 f"{config.checkpoint_every} and {config.checkpoint_minutes}")
-        self.every, self.seconds, self.total_steps = config.checkpoint_every, config.checkpoint_minutes * 60, total_steps
+        self.every, self.total_steps = config.checkpoint_every, total_steps
+        self.seconds = config.checkpoint_minutes * 60
         self.last = monotonic()
 
     def due(self, steps_done: int) -> bool:
@@ -96,7 +97,8 @@ def load_checkpoint(path: Path, head, optimizer, scheduler, settings: dict) -> R
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # a file that is not a checkpoint (atomic writes never leave a torn one)
-        raise SelfspecError(f"checkpoint '{path}' cannot be read ({type(error).__name__}): start without --resume") from None
+        raise SelfspecError(f"checkpoint '{path}' cannot be read ({type(error).__name__}): "
+                            "start without --resume") from None
     _check_compatible(path, state, head, settings)
     # Frozen base weights are not in checkpoints: keep the head's own, and load the whole set strictly.
     head.load_state_dict({**head.state_dict(), **state["head"]}, strict=True)

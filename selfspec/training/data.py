@@ -166,7 +166,8 @@ def regenerate(
                 count.tokens += len(row) if cut is None else cut + 1  # the generated tokens, the end marker too
                 reply = target.tokenizer.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
                 # Empty replies are written too, so a resumed run does not ask again; readers skip them.
-                lines.append(json.dumps({"id": conversation_id, "messages": prompt + [{"role": "assistant", "content": reply}]}))
+                messages = prompt + [{"role": "assistant", "content": reply}]
+                lines.append(json.dumps({"id": conversation_id, "messages": messages}))
             out.write("".join(line + "\n" for line in lines))
             out.flush()
             count.seconds += time.perf_counter() - began

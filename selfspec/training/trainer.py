@@ -148,6 +148,8 @@ def train(
             # Several processes (GPUs) split each batch; one process takes all of it.
             indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
             sequences = fetch(indices)
+            if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
+                torch.cuda.synchronize()
             fetched = time.perf_counter()
             loss, progress.metrics = _step(head, collate(sequences, accelerator.device), optimizer, scheduler,
                                            accelerator, trainable, config.grad_clip)
@@ -159,15 +161,21 @@ def train(
                 bar.set_postfix(_postfix(progress, first_metric), refresh=False)
             bar.update(1)
             if accelerator.is_main_process and clock.due(progress.step):
-                save_checkpoint(checkpoint_dir, accelerator.unwrap_model(head), optimizer, scheduler, progress, settings)
+                save_checkpoint(checkpoint_dir, accelerator.unwrap_model(head), optimizer, scheduler, progress,
+                                settings)
                 clock.saved()
     head.eval()
+    return _summary(progress, total_steps, resumed_from, first_metric, accelerator.mixed_precision == "bf16")
+
+
+def _summary(progress: RunProgress, steps: int, resumed_from: int, first_metric: str | None,
+             bf16: bool) -> TrainSummary:
     return TrainSummary(
-        steps=total_steps, final_loss=sum(progress.window_loss) / max(1, len(progress.window_loss)),
+        steps=steps, final_loss=sum(progress.window_loss) / max(1, len(progress.window_loss)),
         final_metrics=dict(progress.metrics), resumed_from=resumed_from,
         first_draft_accuracy=progress.metrics.get(first_metric) if first_metric else None,
         tokens=progress.tokens, seconds=progress.seconds, fetch_seconds=progress.fetch_seconds,
-        precision="bf16 autocast" if accelerator.mixed_precision == "bf16" else "float32",
+        precision="bf16 autocast" if bf16 else "float32",
     )
 
 
