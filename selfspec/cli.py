@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="override the recipe's output heads directory")
     train.add_argument("--max-steps", type=_positive_int, default=None, help="override train.max_steps")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the work directory")
-    train.add_argument("--tiny", action="store_true", help="a smoke run of the recipe at a tiny scale (a minute on a "
+    train.add_argument("--tiny", action="store_true", help="a smoke run of the recipe at a tiny scale (minutes on a "
                        "CPU; outputs get a -tiny suffix): check a recipe end to end before a long run")
 
     tune = commands.add_parser("tune", help="search a drafter's tuned data on this machine (layerskip: the skip set, Optuna)")

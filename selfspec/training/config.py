@@ -105,7 +105,7 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig
 
 
 def tiny_scale(config: RecipeConfig) -> RecipeConfig:
-    """The same recipe shrunk to a smoke run of a minute on a CPU (`selfspec train --tiny`): a few conversations,
+    """The same recipe shrunk to a smoke run of minutes on a CPU (`selfspec train --tiny`): a few conversations,
     short sequences and replies, a handful of steps, one held-out prompt. Model-dependent sizes (layers, draft
     vocabulary) stay as they are. Outputs go beside the real ones with a `-tiny` suffix, so a smoke run never
     leaves its short replies or checkpoints where the real run would resume from them."""

@@ -100,7 +100,7 @@ def train_dflash(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     # Stored resolved, so loading needs no rule.
     dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers, "mask_token_id": mask_token})
     draft_vocab = draft_vocabulary(data.train.sample, dflash.draft_vocab_size, target.vocab_size)
-    head = DFlashHead(dflash, target, draft_vocab).float()
+    head = DFlashHead(dflash, target, draft_vocab).float().to(target.device)  # trains where the target's labels are
     head.init_from_target(target)
     module = DFlashTraining(head, dflash)
     return train_and_save(target, config, head, module, dflash, data, timings, resume, max_steps, feature_layers=list(layers))

@@ -105,7 +105,7 @@ def _train_eagle_family(target: Target, config: RecipeConfig, eagle: EagleConfig
         raise SelfspecError(f"{config.drafter}: top_k, depth and max_tree_nodes must be >= 1")
     data = recipe_data(target, config, layers, timings)
     draft_vocab = draft_vocabulary(data.train.sample, eagle.draft_vocab_size, target.vocab_size)
-    head = head_cls(eagle, target, draft_vocab).float()
+    head = head_cls(eagle, target, draft_vocab).float().to(target.device)  # trains where the target's labels are
     if isinstance(eagle, Eagle3Config):  # the layers used are part of the head: written into its config
         eagle = Eagle3Config(**{**eagle.__dict__, "feature_layers": head.feature_layers})
     return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)
