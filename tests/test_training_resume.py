@@ -216,3 +216,27 @@ def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_heads(tmp_path, 
     assert main(["train", "medusa", "--config", str(recipe), "--out", str(tmp_path / "straight")]) == 0
     straight = load_file(str(tmp_path / "straight" / "model.safetensors"))
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_the_work_directory_defaults_to_the_cache_outside_the_checkout(tmp_path, monkeypatch):
+    from selfspec.training.config import RecipeConfig, tiny_scale
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    config = RecipeConfig(out="runs/eagle3")
+    assert config.work_path.parent == tmp_path / "cache" / "runs" and config.work_path.name.startswith("eagle3-")
+    assert RecipeConfig(out="elsewhere/eagle3").work_path != config.work_path  # same name, other output
+    assert RecipeConfig(out=str(tmp_path / "runs" / "eagle3")).work_path == config.work_path  # the same place
+    assert RecipeConfig(out="runs/eagle3", work_dir="~/w").work_path == Path("~/w").expanduser()
+    assert tiny_scale(config).work_path != config.work_path  # a smoke run never shares the real run's files
+
+
+def test_a_fresh_start_sets_the_earlier_runs_checkpoints_aside(tmp_path, tiny_checkpoint):
+    sequences, make = _eagle_maker(tiny_checkpoint)
+    train(make(), len(sequences), sequences.__getitem__, CONFIG, tmp_path / "c")  # checkpoints at 5, 10, 12 (2 kept)
+    short = replace(CONFIG, max_steps=6)
+    train(make(), len(sequences), sequences.__getitem__, short, tmp_path / "c")  # no --resume: a new run
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-5.pt", "step-6.pt"]
+    assert sorted(p.name for p in (tmp_path / "c.previous").iterdir()) == ["step-10.pt", "step-12.pt"]
+    summary = train(make(), len(sequences), sequences.__getitem__, short, tmp_path / "c", resume=True)
+    assert summary.resumed_from == 6  # the new run's own, not the earlier run's step 12

@@ -11,6 +11,7 @@ When one is due: every `checkpoint_every` steps or after `checkpoint_minutes`, w
 from __future__ import annotations
 
 import glob
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import monotonic
@@ -65,6 +66,17 @@ class CheckpointClock:
 def latest_checkpoint(directory: Path) -> Path | None:
     found = sorted(glob.glob(str(directory / "step-*.pt")), key=lambda name: int(Path(name).stem.split("-")[1]))
     return Path(found[-1]) if found else None
+
+
+def set_aside(directory: Path) -> Path | None:
+    """A fresh start where an earlier run left checkpoints: move them to `<directory>.previous` (replacing an older
+    one), so the new run's checkpoints never mix with them and a forgotten --resume loses nothing."""
+    if latest_checkpoint(directory) is None:
+        return None
+    previous = directory.with_name(directory.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    directory.rename(previous)
+    return previous
 
 
 def trainable_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -20,7 +20,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
-from .checkpoints import CheckpointClock, RunProgress, latest_checkpoint, load_checkpoint, run_settings, save_checkpoint
+from .checkpoints import (
+    CheckpointClock,
+    RunProgress,
+    latest_checkpoint,
+    load_checkpoint,
+    run_settings,
+    save_checkpoint,
+    set_aside,
+)
 from .config import TrainConfig
 from .labels import LabeledSequence
 
@@ -134,6 +142,8 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total_steps))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
     settings = run_settings(config, sequence_count)
+    if not resume and accelerator.is_main_process and (previous := set_aside(checkpoint_dir)):
+        tqdm.write(f"starting fresh (no --resume): the earlier run's checkpoints moved to {previous}")
     progress = _start_or_resume(checkpoint_dir, resume, accelerator.unwrap_model(head), optimizer, scheduler, settings)
     fetch = get_batch or (lambda indices: [get_sequence(index) for index in indices])
     first_metric = getattr(accelerator.unwrap_model(head), "first_draft_metric", None)
