@@ -123,8 +123,16 @@ def test_resume_errors_are_one_line(tmp_path, tiny_checkpoint):
     (tmp_path / "c" / "step-9.pt").write_text("not a checkpoint")
     with pytest.raises(SelfspecError, match="cannot be read"):
         train(make(), len(sequences), sequences.__getitem__, CONFIG, tmp_path / "c", resume=True)
-    with pytest.raises(SelfspecError, match="checkpoint_every must be >= 1"):
-        train(make(), len(sequences), sequences.__getitem__, replace(CONFIG, checkpoint_every=0), tmp_path / "d")
+    with pytest.raises(SelfspecError, match="train.checkpoint_every must be >= 1, got 0"):
+        replace(CONFIG, checkpoint_every=0)
+
+
+def test_a_bad_checkpoint_setting_is_one_line_before_any_work(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("drafter: eagle3\ntrain:\n  checkpoint_minutes: -5\n")
+    assert main(["train", "eagle3", "--config", str(recipe)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["selfspec: error: train.checkpoint_minutes (0: by steps "
+                                                            "only) and train.warmup_steps must be >= 0, got -5.0 and 50"]
 
 
 def _stop_after(monkeypatch, module, name: str, calls: int) -> list:

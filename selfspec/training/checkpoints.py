@@ -48,9 +48,6 @@ class CheckpointClock:
     (or the start), whichever comes first, and after the last step."""
 
     def __init__(self, config: TrainConfig, total_steps: int):
-        if config.checkpoint_every < 1 or config.checkpoint_minutes < 0:
-            raise SelfspecError(f"train.checkpoint_every must be >= 1 and train.checkpoint_minutes >= 0, got "
-                                f"{config.checkpoint_every} and {config.checkpoint_minutes}")
         self.every, self.total_steps = config.checkpoint_every, total_steps
         self.seconds = config.checkpoint_minutes * 60
         self.last = monotonic()

@@ -52,6 +52,14 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0  # ... or after this many minutes, whichever comes first (0: by steps only)
     log_every: int = 10
 
+    def __post_init__(self) -> None:  # checked when the recipe is read, not hours later when training starts
+        for name in ("batch_size", "max_steps", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise SelfspecError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_minutes < 0 or self.warmup_steps < 0:
+            raise SelfspecError(f"train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
+                                f"got {self.checkpoint_minutes} and {self.warmup_steps}")
+
 
 @dataclass(frozen=True)
 class EvalConfig:
