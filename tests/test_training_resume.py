@@ -131,8 +131,9 @@ def test_a_bad_checkpoint_setting_is_one_line_before_any_work(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("drafter: eagle3\ntrain:\n  checkpoint_minutes: -5\n")
     assert main(["train", "eagle3", "--config", str(recipe)]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["selfspec: error: train.checkpoint_minutes (0: by steps "
-                                                            "only) and train.warmup_steps must be >= 0, got -5.0 and 50"]
+    expected = ("selfspec: error: train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
+                "got -5.0 and 50")
+    assert capsys.readouterr().err.strip().splitlines() == [expected]
 
 
 def _stop_after(monkeypatch, module, name: str, calls: int) -> list:

@@ -11,6 +11,7 @@ When one is due: every `checkpoint_every` steps or after `checkpoint_minutes`, w
 from __future__ import annotations
 
 import glob
+import pickle
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,7 +106,7 @@ def load_checkpoint(path: Path, head, optimizer, scheduler, settings: dict) -> R
     A checkpoint of another head or another recipe is a one-line error, never a silent partial load."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a file that is not a checkpoint (atomic writes never leave a torn one)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as error:  # not a checkpoint (or not ours)
         raise SelfspecError(f"checkpoint '{path}' cannot be read ({type(error).__name__}): "
                             "start without --resume") from None
     _check_compatible(path, state, head, settings)
