@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain how it works.
 
-.PHONY: run test setup browser speculators
+.PHONY: run test setup browser speculators heads-gpu
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,15 @@ setup: $(VENV)/.installed
 
 run: $(VENV)/.installed
 	$(BIN)/selfspec generate --drafter auto --prompt "$(PROMPT)" --max-new-tokens 256
+
+# EAGLE-3 and DFlash heads for the default model on one GPU, from the whole ShareGPT training split (about 25 min
+# on an H100, by arithmetic: docs/training.md): heads and reports in runs/gpu-heads/. Rerun to continue a stopped run.
+# `make heads-gpu TINY=1` runs the same commands at a tiny scale (a smoke run on a CPU; outputs with a -tiny suffix).
+heads-gpu: $(VENV)/.installed
+	@$(if $(TINY),true,$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  'make heads-gpu needs a CUDA GPU and a CUDA build of torch (TORCH=torch); TINY=1 runs it at a tiny scale')")
+	$(BIN)/selfspec train eagle3 --config configs/gpu/eagle3-smollm2.yaml --resume $(if $(TINY),--tiny)
+	$(BIN)/selfspec train dflash --config configs/gpu/dflash-smollm2.yaml --resume $(if $(TINY),--tiny)
 
 # The browser test of `selfspec demo` drives Debian's Chromium and ChromeDriver: installed where apt-get can (as
 # root), otherwise that one test skips and says why.

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=None, help="override the recipe's output heads directory")
     train.add_argument("--max-steps", type=_positive_int, default=None, help="override train.max_steps")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the work directory")
+    train.add_argument("--tiny", action="store_true", help="a smoke run of the recipe at a tiny scale (minutes on a "
+                       "CPU; outputs get a -tiny suffix): check a recipe end to end before a long run")
 
     tune = commands.add_parser("tune", help="search a drafter's tuned data on this machine (layerskip: the skip set, Optuna)")
     tune.add_argument("drafter", choices=["layerskip"], help="which drafter to tune")
@@ -294,11 +296,13 @@ def _bench(args) -> None:
 
 
 def _train(args) -> None:
-    from .training.config import load_recipe
+    from .training.config import load_recipe, tiny_scale
     from .training.pipeline import resolve_recipe, run_recipe
 
     resolve_recipe(args.drafter)  # an unknown or untrainable drafter fails before the recipe is read
     config = load_recipe(args.config, {"model": args.model, "out": args.out})
+    if args.tiny:
+        config = tiny_scale(config)
     if config.drafter != args.drafter:
         from .errors import SelfspecError
 

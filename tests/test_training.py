@@ -118,7 +118,7 @@ def test_resume_continues_where_it_stopped(tmp_path, tiny_checkpoint):
     summary = train(resumed, len(sequences), sequences.__getitem__, config, tmp_path / "b", resume=True)
     assert summary.resumed_from == 6
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
-        assert torch.allclose(a, b, atol=1e-6), name
+        assert torch.equal(a, b), name
 
 
 def test_whole_recipe_on_a_tiny_checkpoint(tmp_path, tiny_checkpoint, fake_sharegpt):

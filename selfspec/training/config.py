@@ -4,12 +4,14 @@ The heads' own configs (MedusaConfig, EagleConfig, Eagle3Config, DFlashConfig) l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
 from ..errors import SelfspecError
+from ..files import cache_root
 from ..heads.dflash import DFlashConfig
 from ..heads.eagle import Eagle3Config, EagleConfig
 from ..heads.medusa import MedusaConfig
@@ -46,8 +48,17 @@ class TrainConfig:
     warmup_steps: int = 50
     max_steps: int = 2000
     grad_clip: float = 1.0
-    checkpoint_every: int = 250
+    checkpoint_every: int = 250  # a checkpoint every this many steps ...
+    checkpoint_minutes: float = 10.0  # ... or after this many minutes, whichever comes first (0: by steps only)
     log_every: int = 10
+
+    def __post_init__(self) -> None:  # checked when the recipe is read, not hours later when training starts
+        for name in ("batch_size", "max_steps", "checkpoint_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise SelfspecError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_minutes < 0 or self.warmup_steps < 0:
+            raise SelfspecError(f"train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
+                                f"got {self.checkpoint_minutes} and {self.warmup_steps}")
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ class RecipeConfig:
     drafter: str = "medusa"
     model: str = "default"
     out: str = "runs/medusa"  # the heads directory written at the end
-    work_dir: str | None = None  # regenerated data, label shards, checkpoints (default: <out>.work)
+    work_dir: str | None = None  # regenerated data, label shards, checkpoints (default: see work_path)
     data: DataConfig = field(default_factory=DataConfig)
     labels: LabelConfig = field(default_factory=LabelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -73,7 +84,12 @@ class RecipeConfig:
 
     @property
     def work_path(self) -> Path:
-        return Path(self.work_dir) if self.work_dir else Path(str(self.out) + ".work")
+        """`work_dir`, else outside the checkout: <cache root>/runs/<out's name>-<hash of out's absolute path>, so
+        two outputs of one name never share checkpoints and a long run's files survive a clean checkout."""
+        if self.work_dir:
+            return Path(self.work_dir).expanduser()
+        out = Path(self.out).expanduser().resolve()
+        return cache_root() / "runs" / f"{out.name}-{hashlib.sha1(str(out).encode()).hexdigest()[:8]}"
 
 
 def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig:
@@ -94,3 +110,24 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig
             node = node.setdefault(key, {})
         node[leaf] = value
     return from_dict(RecipeConfig, data, where=path.name)
+
+
+def tiny_scale(config: RecipeConfig) -> RecipeConfig:
+    """The same recipe shrunk to a smoke run of minutes on a CPU (`selfspec train --tiny`): a few conversations,
+    short sequences and replies, a handful of steps, one held-out prompt. Model-dependent sizes (layers, draft
+    vocabulary) stay as they are. Outputs go beside the real ones with a `-tiny` suffix, so a smoke run never
+    leaves its short replies or checkpoints where the real run would resume from them."""
+    data, train, evaluation = config.data, config.train, config.eval
+    return replace(
+        config,
+        out=f"{config.out}-tiny",
+        work_dir=f"{config.work_dir}-tiny" if config.work_dir else None,
+        data=replace(data, conversations=min(data.conversations or 24, 24), max_length=min(data.max_length, 64),
+                     max_prompt_tokens=min(data.max_prompt_tokens, 48), max_new_tokens=min(data.max_new_tokens, 8),
+                     regenerate_batch_size=min(data.regenerate_batch_size, 8), calibration_fraction=0.1),
+        labels=replace(config.labels, shard_examples=min(config.labels.shard_examples, 8)),
+        train=replace(train, batch_size=min(train.batch_size, 2), max_steps=min(train.max_steps, 4),
+                      warmup_steps=min(train.warmup_steps, 1), checkpoint_every=2, log_every=1),
+        eval=replace(evaluation, heldout_prompts=min(evaluation.heldout_prompts, 1),
+                     max_new_tokens=min(evaluation.max_new_tokens, 8)),
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..models import Target
 from .sharegpt import ROLES, Conversation, load_sharegpt
+from .throughput import StageCount
 
 
 @dataclass(frozen=True)
@@ -125,13 +127,16 @@ def regenerate(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     engine: str = "batched",
+    count: StageCount | None = None,
 ) -> Path:
     """Write `out_path` (JSONL): for each conversation, its first user turn and the target's own greedy reply.
 
     Resumable: conversations already in `out_path` are skipped, and each batch is appended whole (a torn last line
-    from an interruption is dropped on the next run). engine "batched": plain greedy decoding of `batch_size`
+    from an interruption is dropped on the next run; an empty reply is recorded too, and skipped when the
+    data is read). engine "batched": plain greedy decoding of `batch_size`
     prompts at once (left padding), the throughput choice on any device; "selfspec": selfspec's own lossless
     decoding (ngram drafter), one prompt at a time. Both give the target's greedy text (up to float ties).
+    `count`, when given, receives the new tokens generated in this invocation and the seconds it took.
     """
     if engine not in ("batched", "selfspec"):
         raise SelfspecError(f"data.regenerate_engine must be 'batched' or 'selfspec', got '{engine}'")
@@ -150,18 +155,25 @@ def regenerate(
     todo = [item for start in range(0, len(todo), window) for item in sorted(todo[start : start + window], key=lambda item: len(item[2]))]
     replies_for = _batched_replies if engine == "batched" else _selfspec_replies
     eos = set(target.eos_token_ids)
+    count = count if count is not None else StageCount()
     with tqdm(total=len(todo), desc="regenerate", unit="conv") as bar, out_path.open("a", encoding="utf-8") as out:
         for start in range(0, len(todo), batch_size):
+            began = time.perf_counter()
             batch = todo[start : start + batch_size]
             lines = []
             for (conversation_id, prompt, _), row in zip(batch, replies_for(target, [ids for _, _, ids in batch], max_new_tokens)):
                 cut = next((i for i, token in enumerate(row) if token in eos), None)
+                count.tokens += len(row) if cut is None else cut + 1  # the generated tokens, the end marker too
                 reply = target.tokenizer.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
-                if reply.strip():
-                    lines.append(json.dumps({"id": conversation_id, "messages": prompt + [{"role": "assistant", "content": reply}]}))
+                # Empty replies are written too, so a resumed run does not ask again; readers skip them.
+                messages = prompt + [{"role": "assistant", "content": reply}]
+                lines.append(json.dumps({"id": conversation_id, "messages": messages}))
             out.write("".join(line + "\n" for line in lines))
             out.flush()
+            count.seconds += time.perf_counter() - began
+            count.sequences += len(batch)
             bar.update(len(batch))
+            bar.set_postfix({"tok/s": f"{count.tokens / max(count.seconds, 1e-9):,.0f}"}, refresh=False)
     return out_path
 
 

@@ -24,6 +24,8 @@ METRIC_POSITIONS = (1, 2, 4, 8)  # block positions whose top-1 agreement the pro
 
 
 class DFlashTraining(TrainableHead):
+    first_draft_metric = "top1@1"
+
     def __init__(self, head: DFlashHead, config: DFlashConfig):
         super().__init__()
         if config.anchors_per_sequence < 1 or not 0 < config.loss_decay <= 1:
@@ -107,6 +109,7 @@ def new_dflash_head(target: Target, dflash: DFlashConfig, layers: tuple[int, ...
     mask_token = dflash.mask_token_id if dflash.mask_token_id >= 0 else rarest_token(sequences, target.vocab_size)
     # Stored resolved, so loading needs no rule.
     dflash = DFlashConfig(**{**dflash.__dict__, "feature_layers": layers, "mask_token_id": mask_token})
-    head = DFlashHead(dflash, target, draft_vocabulary(sequences, dflash.draft_vocab_size, target.vocab_size)).float()
+    draft_vocab = draft_vocabulary(sequences, dflash.draft_vocab_size, target.vocab_size)
+    head = DFlashHead(dflash, target, draft_vocab).float().to(target.device)  # trains where the target's labels are
     head.init_from_target(target)
     return dflash, head

@@ -27,6 +27,8 @@ class EagleTraining(TrainableHead):
     (the head's own step s - 1 prediction of feature t + s, token t + s + 1) at position t + s + 1, attending to
     the teacher-forced pairs 0..t and to row t of every earlier step, exactly the keys a depth-s draft node sees."""
 
+    first_draft_metric = "top1"
+
     def __init__(self, head: EagleFamilyHead, config: EagleConfig):
         super().__init__()
         if config.unroll_steps < 1:
@@ -112,7 +114,7 @@ def new_eagle_head(target: Target, eagle: EagleConfig, head_cls,
     """(config as saved, an untrained fp32 head of `head_cls`) whose draft vocabulary is the most frequent tokens
     of `sequences`."""
     draft_vocab = draft_vocabulary(sequences, eagle.draft_vocab_size, target.vocab_size)
-    head = head_cls(eagle, target, draft_vocab).float()
+    head = head_cls(eagle, target, draft_vocab).float().to(target.device)  # trains where the target's labels are
     if isinstance(eagle, Eagle3Config):  # the layers used are part of the head: written into its config
         eagle = Eagle3Config(**{**eagle.__dict__, "feature_layers": head.feature_layers})
     return eagle, head

@@ -9,6 +9,7 @@ continues after the last one) or computed on the fly per batch (`storage: stream
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ..errors import SelfspecError
 from ..files import atomic_write, atomic_write_text
 from ..models import Target
 from .data import Example
+from .throughput import StageCount
 
 MANIFEST = "manifest.json"
 
@@ -45,6 +47,27 @@ def label_sequence(target: Target, example: Example, layers: tuple[int, ...], to
     return LabeledSequence(example.input_ids, example.loss_mask, hidden, topk_ids.cpu(), topk_probs.half().cpu())
 
 
+def label_batch(target: Target, examples: list[Example], layers: tuple[int, ...], top_k: int) -> list[LabeledSequence]:
+    """`label_sequence` for several sequences in one forward of the target (right-padded, attention-masked), the
+    results left on the target's device: what streamed labels use, so a GPU labels a training batch at once."""
+    width = max(len(example.input_ids) for example in examples)
+    input_ids = torch.zeros(len(examples), width, dtype=torch.long)
+    attention = torch.zeros(len(examples), width, dtype=torch.long)
+    for row, example in enumerate(examples):
+        input_ids[row, : len(example.input_ids)] = example.input_ids
+        attention[row, : len(example.input_ids)] = 1
+    labeled = []
+    with torch.inference_mode():
+        outputs = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
+                               use_cache=False, output_hidden_states=bool(layers))
+        for row, example in enumerate(examples):  # per row: the softmax over the vocabulary is [L, V] float32
+            length = len(example.input_ids)
+            topk_probs, topk_ids = torch.softmax(outputs.logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
+            hidden = {layer: outputs.hidden_states[layer][row, :length].to(torch.bfloat16) for layer in layers}
+            labeled.append(LabeledSequence(example.input_ids, example.loss_mask, hidden, topk_ids, topk_probs.half()))
+    return labeled
+
+
 def _manifest_header(target: Target, layers: tuple[int, ...], top_k: int, examples: list[Example]) -> dict:
     return {
         "fingerprint": target.fingerprint.to_dict(),
@@ -56,9 +79,11 @@ def _manifest_header(target: Target, layers: tuple[int, ...], top_k: int, exampl
 
 
 def build_label_cache(
-    target: Target, examples: list[Example], directory: Path, layers: tuple[int, ...], top_k: int, shard_examples: int
+    target: Target, examples: list[Example], directory: Path, layers: tuple[int, ...], top_k: int, shard_examples: int,
+    count: StageCount | None = None,
 ) -> Path:
-    """Write label shards for `examples` under `directory`, resuming after the last finished shard."""
+    """Write label shards for `examples` under `directory`, resuming after the last finished shard. `count`, when
+    given, receives the token positions labelled in this invocation and the seconds it took."""
     directory.mkdir(parents=True, exist_ok=True)
     manifest_path = directory / MANIFEST
     header = _manifest_header(target, layers, top_k, examples)
@@ -68,6 +93,7 @@ def build_label_cache(
     done = sum(shard["examples"] for shard in manifest["shards"])
     with tqdm(total=len(examples), initial=done, desc="labels", unit="seq") as bar:
         while done < len(examples):
+            began = time.perf_counter()
             batch = examples[done : done + shard_examples]
             sequences = []
             for example in batch:
@@ -79,6 +105,10 @@ def build_label_cache(
             manifest["shards"].append({"file": name, "examples": len(batch), "tokens": sum(len(s.input_ids) for s in sequences)})
             manifest["complete"] = done >= len(examples)
             _write_json(manifest_path, manifest)
+            if count is not None:
+                count.tokens += manifest["shards"][-1]["tokens"]
+                count.seconds += time.perf_counter() - began
+                count.sequences += len(batch)
     if not manifest["complete"]:  # zero examples
         manifest["complete"] = True
         _write_json(manifest_path, manifest)

@@ -34,6 +34,8 @@ def shifted_labels(batch: Batch, k: int) -> tuple[torch.Tensor, torch.Tensor, to
 class MedusaTraining(TrainableHead):
     """Heads (+ optionally a LoRA-adapted base for Medusa-2) with the self-distillation loss."""
 
+    first_draft_metric = "top1_h1"
+
     def __init__(self, heads: MedusaHeads, head_decay: float, base: torch.nn.Module | None = None, lora: MedusaLoraConfig | None = None):
         super().__init__()
         self.heads = heads

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 
@@ -17,8 +16,7 @@ from .data import load_conversations, tokenize_conversation
 from .labels import label_sequence
 from .losses import draft_vocabulary
 from .medusa import MedusaTraining, best_tree, head_accuracies
-from .stages import checkpoint_dir, recipe_data
-from .trainer import train
+from .stages import recipe_data, throughput_report, train_head
 
 LAYERS = (-1,)
 
@@ -45,9 +43,7 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         base = _with_lora(target, medusa)  # only the adapters train; the original labels were recorded before this
     module = MedusaTraining(heads, medusa.head_decay, base=base, lora=medusa.lora)
 
-    began = time.perf_counter()
-    summary = train(module, train_data.count, train_data.get, config.train, checkpoint_dir(config), resume, max_steps)
-    timings["train_s"] = round(time.perf_counter() - began, 1)
+    summary = train_head(module, data, config, resume, max_steps, timings)
 
     heads.eval()
     accuracies = head_accuracies(heads, calibration, medusa.max_rank)
@@ -73,7 +69,9 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         "resumed_from": summary.resumed_from,
         "final_loss": round(summary.final_loss, 4),
         "final_metrics": {k: round(v, 4) for k, v in summary.final_metrics.items()},
+        "first_draft_accuracy": summary.first_draft_accuracy and round(summary.first_draft_accuracy, 4),
         "top_k_accuracy": extra["accuracies"],
+        "throughput": throughput_report(target, config, data, summary),
     }
 
 

@@ -2,15 +2,16 @@
 
 A head trains through `TrainableHead.training_loss(batch) -> (loss, metrics)`; the loop owns batching, the seeded
 data order, AdamW with warm-up + cosine decay, gradient clipping, accelerate (fp32 on CPU, bf16 autocast on GPU,
-several GPUs with no code change), the progress bar, periodic checkpoints and `--resume`.
+several GPUs with no code change), the progress bar (loss, first-draft accuracy, token positions per second, ETA),
+checkpoints by steps and by time, and `--resume`, after which the run continues exactly as if it had not stopped.
 """
 
 from __future__ import annotations
 
 import abc
-import glob
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
-from ..files import atomic_write
+from .checkpoints import (
+    CheckpointClock,
+    RunProgress,
+    latest_checkpoint,
+    load_checkpoint,
+    run_settings,
+    save_checkpoint,
+    set_aside,
+)
 from .config import TrainConfig
 from .labels import LabeledSequence
 
@@ -37,6 +46,8 @@ class Batch:
 class TrainableHead(torch.nn.Module, metaclass=abc.ABCMeta):
     """What the trainer needs from a head: a loss on a batch, and per-head metrics for the progress bar."""
 
+    first_draft_metric: str | None = None  # which metric is the top-1 agreement of the first drafted token
+
     @abc.abstractmethod
     def training_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """-> (the loss to minimise, metrics for the progress bar); every head's training module defines it."""
@@ -49,9 +60,10 @@ class TrainableHead(torch.nn.Module, metaclass=abc.ABCMeta):
 def collate(sequences: list[LabeledSequence], device: torch.device) -> Batch:
     width = max(len(s.input_ids) for s in sequences)
     count, k = len(sequences), sequences[0].topk_ids.shape[1]
+    where = sequences[0].topk_ids.device  # labels streamed on a GPU stay there
 
     def padded(shape, dtype):
-        return torch.zeros((count, width) + shape, dtype=dtype)
+        return torch.zeros((count, width) + shape, dtype=dtype, device=where)
 
     batch = Batch(padded((), torch.long), padded((), torch.bool), padded((), torch.bool), {}, padded((k,), torch.long), padded((k,), torch.float32))
     for layer, states in sequences[0].hidden.items():
@@ -78,6 +90,11 @@ class TrainSummary:
     final_loss: float  # mean over the last log window
     final_metrics: dict[str, float]
     resumed_from: int  # 0 when the run started fresh
+    first_draft_accuracy: float | None  # the head's first-draft top-1 agreement at the last step
+    tokens: int  # token positions trained over the whole run (resumed parts included), padding excluded
+    seconds: float  # wall time of the training loop over the whole run
+    fetch_seconds: float  # of which getting the batches' sequences (their labelling, when labels are streamed)
+    precision: str  # "float32" or "bf16 autocast" (the head's weights stay float32)
 
 
 def _batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]:
@@ -89,9 +106,14 @@ def _batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]
     return order[position * batch_size : (position + 1) * batch_size]
 
 
-def _latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted(glob.glob(str(directory / "step-*.pt")), key=lambda name: int(Path(name).stem.split("-")[1]))
-    return Path(found[-1]) if found else None
+def _schedule(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
 
 
 def train(
@@ -102,92 +124,109 @@ def train(
     checkpoint_dir: Path,
     resume: bool = False,
     max_steps: int | None = None,
+    get_batch: Callable[[list[int]], list[LabeledSequence]] | None = None,
 ) -> TrainSummary:
-    """Train `head` in place for `max_steps` (default config.max_steps) optimizer steps."""
+    """Train `head` in place for `max_steps` (default config.max_steps) optimizer steps. `get_batch`, when given,
+    fetches a batch's sequences at once (streamed labels: one forward of the target for the whole batch)."""
     from accelerate import Accelerator
 
     if sequence_count == 0:
         raise SelfspecError("no training sequences: check the data source and max_length")
     total_steps = max_steps or config.max_steps
+    clock = CheckpointClock(config, total_steps)
     torch.manual_seed(config.seed)
     on_gpu = torch.cuda.is_available() and next(head.parameters()).device.type == "cuda"
     accelerator = Accelerator(mixed_precision="bf16" if on_gpu else "no", cpu=not on_gpu)
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-
-    def schedule(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total_steps))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
-    start_step = 0
-    checkpoint = _latest_checkpoint(checkpoint_dir) if resume else None
-    if resume and checkpoint is None:
-        tqdm.write(f"--resume: no checkpoint in {checkpoint_dir}; starting fresh")
-    if checkpoint is not None:
-        start_step = _load_checkpoint(checkpoint, accelerator.unwrap_model(head), optimizer, scheduler)
-        tqdm.write(f"resumed from {checkpoint} (step {start_step})")
-    window_loss: list[float] = []
-    metrics: dict[str, float] = {}
+    settings = run_settings(config, sequence_count)
+    if not resume and accelerator.is_main_process and (previous := set_aside(checkpoint_dir)):
+        tqdm.write(f"starting fresh (no --resume): the earlier run's checkpoints moved to {previous}")
+    progress = _start_or_resume(checkpoint_dir, resume, accelerator.unwrap_model(head), optimizer, scheduler, settings)
+    fetch = get_batch or (lambda indices: [get_sequence(index) for index in indices])
+    first_metric = getattr(accelerator.unwrap_model(head), "first_draft_metric", None)
+    resumed_from = progress.step
     head.train()
-    with tqdm(total=total_steps, initial=start_step, desc="train", unit="step", disable=not accelerator.is_main_process) as bar:
-        for step in range(start_step, total_steps):
+    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
+               disable=not accelerator.is_main_process)
+    with bar:
+        for step in range(progress.step, total_steps):
+            began = time.perf_counter()
             indices = _batch_order(sequence_count, config.batch_size, config.seed, step)
             # Several processes (GPUs) split each batch; one process takes all of it.
             indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
-            batch = collate([get_sequence(i) for i in indices], accelerator.device)
-            with accelerator.autocast():
-                loss, metrics = head(batch)
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            if config.grad_clip > 0:
-                accelerator.clip_grad_norm_(trainable, config.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            window_loss = (window_loss + [float(loss.detach())])[-config.log_every :]
-            if (step + 1) % config.log_every == 0 or step + 1 == total_steps:
-                bar.set_postfix(loss=f"{sum(window_loss) / len(window_loss):.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
+            sequences = fetch(indices)
+            if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
+                torch.cuda.synchronize()
+            fetched = time.perf_counter()
+            loss, progress.metrics = _step(head, collate(sequences, accelerator.device), optimizer, scheduler,
+                                           accelerator, trainable, config.grad_clip)
+            progress.window_loss = (progress.window_loss + [loss])[-config.log_every :]
+            progress.tokens += _count_tokens(sequences, accelerator)
+            progress.step, progress.seconds = step + 1, progress.seconds + time.perf_counter() - began
+            progress.fetch_seconds += fetched - began
+            if progress.step % config.log_every == 0 or progress.step == total_steps:
+                bar.set_postfix(_postfix(progress, first_metric), refresh=False)
             bar.update(1)
-            if accelerator.is_main_process and ((step + 1) % config.checkpoint_every == 0 or step + 1 == total_steps):
-                _save_checkpoint(checkpoint_dir, step + 1, accelerator.unwrap_model(head), optimizer, scheduler)
+            if accelerator.is_main_process and clock.due(progress.step):
+                save_checkpoint(checkpoint_dir, accelerator.unwrap_model(head), optimizer, scheduler, progress,
+                                settings)
+                clock.saved()
     head.eval()
-    final = sum(window_loss) / max(1, len(window_loss))
-    return TrainSummary(steps=total_steps, final_loss=final, final_metrics=dict(metrics), resumed_from=start_step)
+    return _summary(progress, total_steps, resumed_from, first_metric, accelerator.mixed_precision == "bf16")
 
 
-def _trainable_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
-    names = {name for name, p in head.named_parameters() if p.requires_grad}
-    return {name: tensor.detach().cpu() for name, tensor in head.state_dict().items() if name in names or name.endswith("draft_vocab")}
+def _summary(progress: RunProgress, steps: int, resumed_from: int, first_metric: str | None,
+             bf16: bool) -> TrainSummary:
+    return TrainSummary(
+        steps=steps, final_loss=sum(progress.window_loss) / max(1, len(progress.window_loss)),
+        final_metrics=dict(progress.metrics), resumed_from=resumed_from,
+        first_draft_accuracy=progress.metrics.get(first_metric) if first_metric else None,
+        tokens=progress.tokens, seconds=progress.seconds, fetch_seconds=progress.fetch_seconds,
+        precision="bf16 autocast" if bf16 else "float32",
+    )
 
 
-def _save_checkpoint(directory: Path, step: int, head, optimizer, scheduler, keep: int = 2) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {
-        "step": step,
-        "head": _trainable_state(head),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-    }
-    atomic_write(directory / f"step-{step}.pt", lambda temp: torch.save(state, temp))
-    for old in sorted(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
-        old.unlink()
+def _start_or_resume(directory: Path, resume: bool, head, optimizer, scheduler, settings: dict) -> RunProgress:
+    checkpoint = latest_checkpoint(directory) if resume else None
+    if resume and checkpoint is None:
+        tqdm.write(f"--resume: no checkpoint in {directory}; starting fresh")
+    if checkpoint is None:
+        return RunProgress()
+    progress = load_checkpoint(checkpoint, head, optimizer, scheduler, settings)
+    tqdm.write(f"resumed from {checkpoint} (step {progress.step}, {progress.tokens:,} token positions trained)")
+    return progress
 
 
-def _load_checkpoint(path: Path, head, optimizer, scheduler) -> int:
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    missing = set(_trainable_state(head)) - set(state["head"])
-    if missing:
-        raise SelfspecError(f"checkpoint '{path}' does not match this head (missing {sorted(missing)[:3]}): start without --resume")
-    unexpected = set(state["head"]) - set(head.state_dict())
-    if unexpected:
-        raise SelfspecError(f"checkpoint '{path}' holds weights this head lacks ({sorted(unexpected)[:3]}): start without --resume")
-    # Frozen base weights are not in checkpoints: keep the head's own, and load the whole set strictly.
-    head.load_state_dict({**head.state_dict(), **state["head"]}, strict=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    return int(state["step"])
+def _step(head, batch: Batch, optimizer, scheduler, accelerator, trainable, grad_clip: float) -> tuple[float, dict]:
+    """One optimizer step -> (the loss, the head's metrics)."""
+    with accelerator.autocast():
+        loss, metrics = head(batch)
+    optimizer.zero_grad(set_to_none=True)
+    accelerator.backward(loss)
+    if grad_clip > 0:
+        accelerator.clip_grad_norm_(trainable, grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return float(loss.detach()), metrics
+
+
+def _count_tokens(sequences: list[LabeledSequence], accelerator) -> int:
+    """The real token positions of the batch (this process's share, summed over the processes)."""
+    count = sum(len(sequence.input_ids) for sequence in sequences)
+    if accelerator.num_processes > 1:
+        count = int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum"))
+    return count
+
+
+def _postfix(progress: RunProgress, first_metric: str | None) -> dict[str, str]:
+    """The progress bar's numbers: the loss over the log window, the first-draft accuracy, token positions per
+    second over the whole run (tqdm adds the ETA), then the head's other metrics."""
+    shown = {"loss": f"{sum(progress.window_loss) / len(progress.window_loss):.3f}"}
+    if first_metric in progress.metrics:
+        shown["first_draft_acc"] = f"{progress.metrics[first_metric]:.3f}"
+    shown["tok/s"] = f"{progress.tokens / max(progress.seconds, 1e-9):,.0f}"
+    shown.update({k: f"{v:.2f}" for k, v in progress.metrics.items() if k != first_metric})
+    return shown
