@@ -6,8 +6,8 @@ Run on a CUDA machine; the dev tool used to validate the CUDA code paths (result
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -56,9 +56,15 @@ def check(target, prompts, max_new_tokens: int) -> dict:
 
 
 def main() -> None:
-    gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
-    n_prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    max_new_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 256
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("gguf", type=Path, help="the default model's GGUF file")
+    parser.add_argument("out", type=Path, help="directory for gpu_check.json")
+    parser.add_argument("n_prompts", type=int, nargs="?", default=5)
+    parser.add_argument("max_new_tokens", type=int, nargs="?", default=256)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, "gpu_check.py: no CUDA device here: run it on a machine with a GPU\n")
+    gguf, out, n_prompts, max_new_tokens = args.gguf, args.out, args.n_prompts, args.max_new_tokens
     prompts = load_prompt_set("mtbench", limit=n_prompts)
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     for dtype in (torch.float32, torch.bfloat16):
