@@ -51,13 +51,6 @@ class TextStream:
             self.sink(pieces[0] + pieces[1])
 
 
-def accepted_since(drafter, before: dict[str, int]) -> dict[str, int] | None:
-    """Accepted draft tokens by source since `before` (a copy of `drafter.accepted_by_source`), or None for a drafter
-    that does not count them by source."""
-    after = getattr(drafter, "accepted_by_source", {})
-    return {name: count - before.get(name, 0) for name, count in after.items()} or None
-
-
 class SelfSpec:
     """A target model with a drafter attached.
 

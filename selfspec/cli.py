@@ -190,7 +190,8 @@ def _generate(args) -> None:
         chat=not args.raw,
     )
     print()
-    sources = f" accepted by source: {spec.drafter.contributions()}" if hasattr(spec.drafter, "contributions") else ""
+    contributions = spec.drafter.stats().contributions()
+    sources = f" accepted by source: {contributions}" if contributions else ""
     print(f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} {result.stats.summary()}{sources}",
           file=sys.stderr)
 

@@ -160,10 +160,10 @@ def test_sources_keep_their_own_state_when_another_source_wins(tmp_path, oracle_
     eagle.propose(type("R", (), {"root_token": tokens[-1], "max_depth": 2, "sampling": None, "generator": None})())
     # Its cache holds a pair for every position the loop reported (the last step is never observed: the loop ends).
     assert eagle.position == len(prompt) - 1 + len(tokens) - stats.accepted_lengths[-1]
-    assert max(stats.accepted_lengths) > 2 and auto.accepted_by_source["oracle-source"] > 10
+    assert max(stats.accepted_lengths) > 2 and auto.stats().accepted_by_source["oracle-source"] > 10
     eagle_views = [observation.result for observation in seen["eagle"][1:]]
-    assert sum(len(view.accepted_tokens) for view in eagle_views) == auto.accepted_by_source["eagle"]
-    assert auto.accepted_by_source["eagle"] < auto.accepted_by_source["oracle-source"]
+    assert sum(len(view.accepted_tokens) for view in eagle_views) == auto.stats().accepted_by_source["eagle"]
+    assert auto.stats().accepted_by_source["eagle"] < auto.stats().accepted_by_source["oracle-source"]
 
 
 class _Twin(_Oracle):
@@ -226,10 +226,10 @@ def test_default_sources_leave_out_heads_that_drafted_little_on_held_out_prompts
     auto = create_drafter("auto", target)
     assert ("eagle" in auto.sources) == joins
     if not joins:
-        assert auto.left_out["eagle"] == f"held-out mean accepted length 1.10 < {MIN_HELDOUT_TAU}"
-        assert "eagle left out (held-out mean accepted length 1.10" in auto.contributions()
+        assert auto.stats().left_out["eagle"] == f"held-out mean accepted length 1.10 < {MIN_HELDOUT_TAU}"
+        assert "eagle left out (held-out mean accepted length 1.10" in auto.stats().contributions()
     named = create_drafter("auto:sources=ngram+eagle", target)  # sources named outright join whatever the report
-    assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].heldout_tau == heldout
+    assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].stats().heldout_tau == heldout
 
 
 def test_dflash_joins_auto_only_when_asked(tmp_path, monkeypatch):

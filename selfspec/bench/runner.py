@@ -101,11 +101,11 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
     sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
-        before = dict(getattr(drafter, "accepted_by_source", {}))
+        before = drafter.stats()
         # Verified on the drafter's target: Medusa-2 heads draft for (and decode) an adapted copy of the shared one.
         tokens, stats = speculative_generate(drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed,
                                              pace=settings.pace)
-        by_source = tuple((name, count - before.get(name, 0)) for name, count in getattr(drafter, "accepted_by_source", {}).items())
+        by_source = tuple((drafter.stats().accepted_since(before) or {}).items())
         return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes, by_source)
 
     return run

@@ -28,7 +28,7 @@ from ..errors import SelfspecError
 from ..models import Target
 from ..tree_attention import DraftTree, VerifyResult
 from .artifacts import heads_kind
-from .base import DraftRequest, Drafter, Observation, drafter_entry, drafter_names, register_drafter
+from .base import DraftRequest, Drafter, DrafterStats, Observation, drafter_entry, drafter_names, register_drafter
 
 # `history` (earlier requests' text) costs as little as lookup: in two in-process A/B benchmarks (16 prompts a set, T=0)
 # it added 2.5% tokens/s on HumanEval and 0.6-1.0% over three sets. The artifact drafters join when they have heads
@@ -212,8 +212,9 @@ class AutoDrafter(Drafter):
                     raise
                 left_out[name] = "no heads for this model"
                 continue
-            if not chosen and source.heldout_tau is not None and source.heldout_tau < MIN_HELDOUT_TAU:
-                left_out[name] = f"held-out mean accepted length {source.heldout_tau:.2f} < {MIN_HELDOUT_TAU}"
+            heldout_tau = source.stats().heldout_tau
+            if not chosen and heldout_tau is not None and heldout_tau < MIN_HELDOUT_TAU:
+                left_out[name] = f"held-out mean accepted length {heldout_tau:.2f} < {MIN_HELDOUT_TAU}"
                 continue
             sources[name] = source
         drafter = cls(target, cost_curve, options, sources)
@@ -328,8 +329,6 @@ class AutoDrafter(Drafter):
                 if proposal.merged[child] >= 0:
                     rates.record(tree.depth_list[child], rank, child in on_path)
 
-    def contributions(self) -> str:
-        """Accepted draft tokens by source (a token two sources proposed counts for both), then the default sources
-        left out and why."""
-        counts = " ".join(f"{name}={count}" for name, count in self.accepted_by_source.items())
-        return counts + "".join(f"; {name} left out ({why})" for name, why in self.left_out.items())
+    def stats(self) -> DrafterStats:
+        """Accepted draft tokens by source over the drafter's life, and the default sources left out."""
+        return DrafterStats(accepted_by_source=dict(self.accepted_by_source), left_out=dict(self.left_out))

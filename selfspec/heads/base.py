@@ -11,7 +11,7 @@ recipe ("module:function", imported only by the training pipeline, so heads/ nev
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -47,6 +47,31 @@ class Observation:
     # hidden rows: after the prefill, the prompt minus its last token; after a step, the accepted path's nodes
     # (root first). The target's extra token is never forwarded in the step that produced it.
     forward_s: float = 0.0  # seconds the target took to verify the tree (its forward and the verifier); 0 if unknown
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """What a drafter reports about itself beyond the loop's GenerationStats (`Drafter.stats()`); a field a drafter
+    has nothing to say about keeps its neutral default. Counts run over the drafter's life: the difference of two
+    reports is what happened between them."""
+
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # composite drafters (auto): accepted draft tokens
+    left_out: dict[str, str] = field(default_factory=dict)  # composite drafters: default sources not loaded, and why
+    tree_nodes: int | None = None  # the tree size its trained parts fixed (Medusa's tree); None where it varies
+    # The mean accepted length its trained parts reached on held-out prompts when they were trained (their training
+    # report); None where unknown or where nothing was trained.
+    heldout_tau: float | None = None
+
+    def accepted_since(self, before: "DrafterStats") -> dict[str, int] | None:
+        """Accepted draft tokens by source since `before` (an earlier report), or None for a drafter that does not count
+        them by source."""
+        return {name: count - before.accepted_by_source.get(name, 0) for name, count in self.accepted_by_source.items()} or None
+
+    def contributions(self) -> str:
+        """Accepted draft tokens by source (a token two sources proposed counts for both), then the default sources
+        left out and why; empty for a drafter without sources."""
+        counts = " ".join(f"{name}={count}" for name, count in self.accepted_by_source.items())
+        return counts + "".join(f"; {name} left out ({why})" for name, why in self.left_out.items())
 
 
 @dataclass(frozen=True)
@@ -112,9 +137,6 @@ class Drafter(ABC):
     pacing: int | None = None
     # True for a drafter that weighs its own drafting cost (`auto` paces each source): the loop does not pause it.
     paces_itself: ClassVar[bool] = False
-    # The mean accepted length the drafter's trained parts reached on held-out prompts when they were trained (their
-    # training report); None where unknown or where nothing was trained.
-    heldout_tau: float | None = None
 
     def __init__(self, target: Target, cost_curve: CostCurve, options=None):
         self.target = target
@@ -146,6 +168,11 @@ class Drafter(ABC):
 
     def observe(self, observation: Observation) -> None:
         """Update the drafter's own state (its caches, its window of hidden states, its statistics)."""
+
+    def stats(self) -> DrafterStats:
+        """What the drafter reports about itself (accepted tokens by source, its fixed tree size, ...); the neutral
+        report unless a drafter has something to say."""
+        return DrafterStats()
 
 
 @dataclass(frozen=True)

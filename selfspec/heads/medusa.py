@@ -17,7 +17,7 @@ the original model; the decoding loop verifies a drafter's trees on `drafter.tar
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from ..errors import SelfspecError, first_line
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import ADAPTER, LoadedHead
-from .base import DraftRequest, Observation, check_at_least_one, register_drafter
+from .base import DraftRequest, DrafterStats, Observation, check_at_least_one, register_drafter
 from .vocab import ReducedVocabHead, VocabHeadDrafter
 
 
@@ -155,6 +155,9 @@ class MedusaDrafter(VocabHeadDrafter):
         if (loaded.directory / ADAPTER).is_dir():
             target = adapted_target(target, loaded.directory / ADAPTER)
         return cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
+
+    def stats(self) -> DrafterStats:
+        return replace(super().stats(), tree_nodes=self.tree_nodes)
 
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root
