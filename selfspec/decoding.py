@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from .cost import PAUSE_RULE
 from .errors import SelfspecError
 from .heads.base import DraftRequest, Drafter, Observation
 from .models import Target
+from .pacing import DraftPacer
 from .sampling import SamplingConfig, StepDraws
 from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
@@ -59,69 +59,6 @@ class GenerationResult:
     token_ids: tuple[int, ...]  # the new tokens only
     text: str
     stats: GenerationStats
-
-
-class DraftPacer:
-    """Stops asking the drafter for trees while drafting does not pay, on this machine.
-
-    Every PROBE_STEPS drafting steps it compares their wall time with what plain decoding would have taken for the
-    tokens they emitted (a plain step measured on steps that verified the root alone; estimated until then from the
-    drafting steps themselves, the verification forward scaled down by the cost curve). A window that lost time
-    pauses drafting for as many steps as keep that loss within PROBE_SHARE of the time the pause and the probe take
-    together (at least MIN_PAUSE, at most MAX_PAUSE): a cheap drafter that missed a few times (prompt lookup) is
-    asked again soon, an expensive one (layer-skip) rarely, and a drafter that never pays costs at most about
-    PROBE_SHARE of the time. What is left of a pause carries over to the drafter's next request (`Drafter.pacing`),
-    so that bound holds across short requests too. Which trees are verified never changes what is emitted: pacing
-    only moves speed.
-    """
-
-    PROBE_STEPS = PAUSE_RULE.window
-    PROBE_SHARE = PAUSE_RULE.share
-    MIN_PAUSE = 4
-    MAX_PAUSE = PAUSE_RULE.max_pause
-    _PLAIN_DECAY = 0.7  # weight of the older plain-step timings in the running estimate
-
-    def __init__(self, drafter: Drafter, enabled: bool = True):
-        self.curve = drafter.cost_curve
-        self.enabled = enabled
-        self.plain_s: float | None = None  # one plain step, measured
-        self.paused_steps = 0
-        self._pause_left = drafter.pacing if enabled and drafter.pacing else 0
-        self._window_s = self._window_tokens = 0.0
-        self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
-        self._window_steps = 0
-
-    def remember(self, drafter: Drafter) -> None:
-        """Leave what is left of the pause on the drafter for its next request."""
-        if self.enabled:
-            drafter.pacing = self._pause_left
-
-    def should_draft(self) -> bool:
-        if self._pause_left > 0:
-            self._pause_left -= 1
-            self.paused_steps += 1
-            return False
-        return True
-
-    def record(self, tree_size: int, emitted: int, step_s: float, forward_s: float, draft_s: float) -> None:
-        if tree_size <= 1:
-            plain = step_s - draft_s
-            self.plain_s = plain if self.plain_s is None else self._PLAIN_DECAY * self.plain_s + (1 - self._PLAIN_DECAY) * plain
-            return
-        if not self.enabled:
-            return
-        self._window_s += step_s
-        self._window_tokens += emitted
-        self._window_plain_s += step_s - draft_s - forward_s + forward_s / self.curve.cost(tree_size)
-        self._window_steps += 1
-        if self._window_steps < self.PROBE_STEPS:
-            return
-        plain_s = self.plain_s if self.plain_s is not None else self._window_plain_s / self._window_steps
-        lost_s = self._window_s - self._window_tokens * plain_s  # versus plain decoding of the same tokens
-        if lost_s > 0:
-            self._pause_left = PAUSE_RULE.pause(lost_s / plain_s, self.MIN_PAUSE)
-        self._window_s = self._window_tokens = self._window_plain_s = 0.0
-        self._window_steps = 0
 
 
 def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:

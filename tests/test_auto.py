@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
-from selfspec.cost import PAUSE_RULE, CostCurve
+from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter, register_drafter, unregister_drafter
 from selfspec.heads import artifacts
-from selfspec.heads.auto import MIN_HELDOUT_TAU, SourcePacing, SourceRates, merge_trees, select_nodes
+from selfspec.heads.auto import MIN_HELDOUT_TAU, SourceRates, merge_trees, select_nodes
+from selfspec.pacing import PAUSE_RULE, SourcePacing
 from selfspec.tree_attention import DraftTree
 
 from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_dflash_dir, random_eagle_dir, without_eos

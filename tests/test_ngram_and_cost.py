@@ -5,8 +5,7 @@ import torch
 
 from selfspec.cost import CostCurve, monotone_fit
 from selfspec.decoding import speculative_generate
-from selfspec.heads.base import AcceptanceCalibration
-from selfspec.tree_attention import VerifyResult
+from selfspec.pacing import AcceptanceCalibration
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
 from selfspec.sampling import SamplingConfig
@@ -98,28 +97,24 @@ def test_ngram_drafts_again_after_a_bad_stretch():
     assert steps > 5  # not at once: the bad stretch still counts for a while
 
 
-def _result(accepted: int):
-    return VerifyResult(accepted_path=tuple(range(accepted + 1)), accepted_tokens=(7,) * accepted, next_token=1, is_bonus=False)
-
-
 def test_acceptance_calibration_on_hand_made_histories():
     calibration = AcceptanceCalibration()
     assert calibration.factor == 1.0 and calibration.scaled([0.5, 0.9]) == [0.5, 0.9]
     for _ in range(30):  # the head expected 1.5 accepted tokens a step; the verifier took 0.3
         calibration.proposed([0.9, 0.6])
-        calibration.verified(_result(0 if _ % 10 else 3))
+        calibration.verified(0 if _ % 10 else 3)
     assert 0.05 < calibration.factor < 0.35  # about 0.3 / 1.5, as the decayed sums fluctuate
     shrunk = calibration.factor
     steep = CostCurve((1, 2, 4), (1.0, 1.5, 2.0), source="test")
     assert steep.best_size([0.9, 0.6])[0] == 3 and steep.best_size(calibration.scaled([0.9, 0.6]))[0] == 1
     for _ in range(20):  # steps without a draft: the factor drifts back toward 1, so drafting can restart
-        calibration.verified(_result(0))
+        calibration.verified(0)
     assert shrunk < calibration.factor < 1.0
     calibration.reset()
     assert calibration.factor == 1.0
     for _ in range(30):  # an underconfident head: the factor grows, each calibrated gain stays a probability
         calibration.proposed([0.3])
-        calibration.verified(_result(1))
+        calibration.verified(1)
     assert calibration.factor > 2.0 and calibration.scaled([0.3, 0.9]) == [min(1.0, 0.3 * calibration.factor), 1.0]
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from selfspec.cost import CostCurve
-from selfspec.decoding import DraftPacer, speculative_generate
+from selfspec.decoding import speculative_generate
+from selfspec.pacing import DraftPacer
 
 from .helpers import PROMPT, RandomDrafter, hf_greedy, make_tiny_target, without_eos
 

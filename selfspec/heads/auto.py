@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ..cost import PAUSE_RULE, CostCurve
+from ..cost import CostCurve
 from ..errors import SelfspecError
 from ..models import Target
+from ..pacing import SourcePacing
 from ..tree_attention import DraftTree, VerifyResult
 from .artifacts import heads_kind
 from .base import DraftRequest, Drafter, DrafterStats, Observation, drafter_entry, drafter_names, register_drafter
@@ -85,41 +86,6 @@ class SourceRates:
         self.hits[key] = self.hits.get(key, 0.0) + float(accepted)
         if self.prior is not None:
             self.prior.record(depth, rank, accepted)
-
-
-class SourcePacing:
-    """Whether a source pays, by the rule the decoding loop applies to a whole drafter (cost.PAUSE_RULE): over
-    windows of asked steps, the source's drafting time in plain target steps against the tokens it earned: the
-    accepted tokens no other asked source proposed (what the tree would have lacked without it; a token two sources
-    proposed would have been there anyway). A window that cost more
-    than it earned skips the source for as many steps as keep that loss within the rule's share of the time; a
-    source that costs next to nothing (prompt lookup) is skipped a step at most. What is left of a skip carries over
-    to the next request."""
-
-    def __init__(self) -> None:
-        self.skip_left = 0
-        self.tokens = self.cost = 0.0
-        self.steps = 0
-
-    def new_request(self) -> None:
-        self.tokens = self.cost = 0.0
-        self.steps = 0
-
-    def ask(self) -> bool:
-        if self.skip_left > 0:
-            self.skip_left -= 1
-            return False
-        return True
-
-    def record(self, tokens: float, cost: float) -> None:
-        self.tokens += tokens
-        self.cost += cost
-        self.steps += 1
-        if self.steps < PAUSE_RULE.window:
-            return
-        self.skip_left = PAUSE_RULE.pause(self.cost - self.tokens)
-        self.tokens = self.cost = 0.0
-        self.steps = 0
 
 
 @dataclass

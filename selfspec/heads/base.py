@@ -86,54 +86,13 @@ def check_at_least_one(drafter: str, options) -> None:
         raise SelfspecError(f"{drafter}: {', '.join(bad)} must be >= 1")
 
 
-class AcceptanceCalibration:
-    """How a drafter's own estimate of the draft tokens the target will accept compares with what the verifier
-    accepts, over the recent steps of one request: `factor` = accepted / expected (decayed sums). Drafters scale
-    their node gains by it before sizing a tree, so an overconfident head proposes smaller trees, down to none when
-    drafting does not pay; steps without a draft drift the factor back toward 1, so drafting can start again."""
-
-    DECAY = 0.9  # weight of history per drafted step
-    RECOVERY = 0.05  # per step without a draft, the share of the gap to a factor of 1 closed
-    PRIOR = 2.0  # expected (and accepted) draft tokens the estimate starts from: a factor of 1
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.accepted = self.expected = self.PRIOR
-        self.pending = 0.0  # expected accepted tokens of the tree just proposed
-
-    @property
-    def factor(self) -> float:
-        return self.accepted / self.expected
-
-    def scaled(self, gains: list[float]) -> list[float]:
-        """Gains as calibrated acceptance chances (at most 1 each)."""
-        factor = self.factor
-        return [min(1.0, gain * factor) for gain in gains]
-
-    def proposed(self, gains: list[float]) -> None:
-        """The uncalibrated gains of the nodes just proposed."""
-        self.pending = sum(gains)
-
-    def verified(self, result: VerifyResult | None) -> None:
-        if result is None:
-            return
-        if self.pending > 0:
-            self.accepted = self.DECAY * self.accepted + len(result.accepted_tokens)
-            self.expected = self.DECAY * self.expected + self.pending
-        else:
-            self.accepted += self.RECOVERY * (self.expected - self.accepted)
-        self.pending = 0.0
-
-
 class Drafter(ABC):
     """Base class. Subclasses set `hidden_layers` if they need target hidden states in `observe`."""
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # indices into the target's hidden_states; -1 is the LM head's input
     # The decoding loop's pacing of this drafter, carried from one request to the next: steps of pause left (None
-    # before its first request). See selfspec.decoding.DraftPacer.
+    # before its first request). See selfspec.pacing.DraftPacer.
     pacing: int | None = None
     # True for a drafter that weighs its own drafting cost (`auto` paces each source): the loop does not pause it.
     paces_itself: ClassVar[bool] = False

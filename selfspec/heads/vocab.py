@@ -24,7 +24,8 @@ from ..execution import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import HeadArtifact, LoadedHead, load_vocab_head
-from .base import AcceptanceCalibration, Drafter, DrafterStats, Observation, drafter_entry
+from ..pacing import AcceptanceCalibration
+from .base import Drafter, DrafterStats, Observation, drafter_entry
 from .speculators import load_imported, speculators_type
 
 
@@ -148,4 +149,5 @@ class VocabHeadDrafter(Drafter):
 
     def calibrate(self, observation: Observation) -> None:
         """Subclasses call this first in observe()."""
-        self.calibration.verified(observation.result)
+        if observation.result is not None:
+            self.calibration.verified(len(observation.result.accepted_tokens))

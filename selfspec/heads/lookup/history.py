@@ -52,7 +52,7 @@ class HistoryDrafter(NgramDrafter):
         """The request just served joins the history; the acceptance estimate starts again from the prior."""
         self._remember(self.request_tokens)
         self.request_tokens = []
-        self._reset_acceptance()
+        self.acceptance_estimate.reset()
 
     def _remember(self, tokens: list[int]) -> None:
         if not tokens:
