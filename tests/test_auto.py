@@ -14,6 +14,7 @@ from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter, register_drafter, unregister_drafter
 from selfspec.heads import artifacts
 from selfspec.heads.auto import MIN_HELDOUT_TAU, SourceRates, merge_trees, select_nodes
+from selfspec.heads.auto.rates import RANKS
 from selfspec.pacing import PAUSE_RULE, SourcePacing
 from selfspec.tree_attention import DraftTree
 
@@ -28,7 +29,7 @@ def rates(**by_source: float) -> dict[str, SourceRates]:
     """Sources whose every node is accepted with the given chance (a strong prior, nothing observed)."""
     out = {}
     for name, chance in by_source.items():
-        estimate = SourceRates(prior_weight=1e6)
+        estimate = SourceRates(prior_weight=1e6, max_depth=8)
         estimate.PRIOR = (chance, chance, chance)
         out[name] = estimate
     return out
@@ -65,7 +66,7 @@ def test_the_budget_keeps_the_best_nodes_and_their_parents():
 
 
 def test_acceptance_estimates_follow_the_accept_history():
-    estimate = SourceRates(prior_weight=2.0)
+    estimate = SourceRates(prior_weight=2.0, max_depth=8)
     assert estimate.rate(1, 0) == pytest.approx(0.5) and estimate.rate(1, 1) == pytest.approx(0.15)
     for accepted in [True] * 8:
         estimate.record(1, 0, accepted)
@@ -79,13 +80,13 @@ def test_acceptance_estimates_follow_the_accept_history():
 
 
 def test_a_request_starts_from_the_sources_record_over_earlier_requests():
-    lifetime = SourceRates(prior_weight=2.0)
-    first = SourceRates(prior_weight=2.0, prior=lifetime)
+    lifetime = SourceRates(prior_weight=2.0, max_depth=8)
+    first = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)
     assert first.rate(1, 0) == pytest.approx(0.5)  # no record yet: the fixed prior
     for _ in range(20):
         first.record(1, 0, False)
     assert lifetime.rate(1, 0) == pytest.approx(1.0 / 22)  # every request's record reaches the lifetime one
-    second = SourceRates(prior_weight=2.0, prior=lifetime)  # the next request: nothing of its own yet
+    second = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)  # the next request: nothing of its own yet
     assert second.rate(1, 0) == pytest.approx(lifetime.rate(1, 0)) and second.rate(1, 1) == pytest.approx(0.15)
     second.record(1, 0, True)
     assert second.rate(1, 0) == pytest.approx((1 + 2 * lifetime.rate(1, 0)) / 3)
@@ -256,3 +257,17 @@ def test_unpaced_requests_ask_every_source_at_every_step():
     before = len(asked)
     speculative_generate(target, auto, torch.tensor(PROMPT), 12)  # paced: the skip holds
     assert len(asked) == before and auto.source_pacing["ngram"].skip_left < 1000
+
+
+def test_what_auto_keeps_across_requests_is_bounded():
+    estimate = SourceRates(prior_weight=2.0, max_depth=3)
+    with pytest.raises(ValueError, match="depth 4"):  # no tree of max_depth + 1 nodes holds a node that deep
+        estimate.record(4, 0, True)
+    target = without_eos(make_tiny_target("llama"))
+    auto = create_drafter("auto:sources=ngram+history,max_nodes=6", target)
+    auto.cost_curve = FLAT
+    for start in range(6):
+        speculative_generate(target, auto, torch.tensor(PROMPT[start:] + PROMPT), 16)
+    assert sum(auto.stats().accepted_by_source.values()) > 0  # the sources drafted, and their rates were recorded
+    for lifetime in auto.lifetime_rates.values():
+        assert lifetime.max_depth == 5 and len(lifetime.tries) <= 5 * RANKS
