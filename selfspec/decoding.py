@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 
 from .errors import SelfspecError
-from .heads.base import DraftRequest, Drafter, Observation
+from .heads.base import DraftRequest, Drafter, Observation, paces_itself
 from .models import Target
-from .pacing import DraftPacer
+from .pacing import DraftPacer, Pacing
 from .sampling import SamplingConfig, StepDraws
 from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
@@ -94,12 +94,14 @@ def speculative_generate(
     seed: int = 0,
     on_tokens: Callable[[tuple[int, ...]], None] | None = None,
     pace: bool = True,
+    pacing: Pacing | None = None,
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens.
     `pace`: pause drafting while it does not pay (DraftPacer, or the drafter's own pacing when it paces itself);
-    False asks the drafter for a tree at every step. When sampling, `seed` fixes the text: the token at output
-    position t is drawn with a uniform keyed on (seed, t) (see StepDraws), so every drafter whose children are
-    deterministic emits what plain sampling with that seed emits."""
+    False asks the drafter for a tree at every step. `pacing`: the drafter's record from its earlier requests (what is
+    left of a pause, its draft cost: selfspec.pacing), updated here; None starts from a fresh one. When sampling,
+    `seed` fixes the text: the token at output position t is drawn with a uniform keyed on (seed, t) (see
+    StepDraws), so every drafter whose children are deterministic emits what plain sampling with that seed emits."""
     input_ids = validate_request(target, input_ids, max_new_tokens, seed)
     model, device, eos = target.model, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -108,21 +110,23 @@ def speculative_generate(
     accepted_lengths: list[int] = []
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
-    pacer = DraftPacer(drafter, enabled=pace and not drafter.paces_itself)
+    pacing = Pacing() if pacing is None else pacing
+    pacing.new_request(pace)
+    pacer = DraftPacer(drafter.cost_curve, pacing, enabled=pace and not paces_itself(drafter))
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
         prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None
         drafter.reset()
-        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, None, None))
+        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, pacing=pacing))
         prefill_s = time.perf_counter() - start
         while True:
             step_start = time.perf_counter()
             budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
             # 2. Propose, within what the loop can still emit this step (unless drafting is paused: see DraftPacer).
             if pacer.should_draft():
-                request = DraftRequest(committed[-1], budget - 1, sampling, generator, pace)
+                request = DraftRequest(committed[-1], budget - 1, sampling, generator, pacing)
                 tree = drafter.propose(request).pruned(budget - 1)
             else:
                 tree = DraftTree.root_only(committed[-1])
@@ -153,16 +157,18 @@ def speculative_generate(
             if len(committed) >= target.context_limit:
                 stop_reason = "context"
                 break
-            # 6. Let the drafter see what was committed (and the accepted path's hidden states).
+            # 6. Let the drafter see what was committed (and the accepted path's hidden states), after the pacing
+            #    record has the step's forward time.
             observe_start = time.perf_counter()
             path = torch.tensor(result.accepted_path, device=device)
             hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
-            drafter.observe(Observation(emitted, hidden, result, tree, forward_s))
+            pacing.verified(forward_s, drafter.cost_curve.cost(tree.size))
+            drafter.observe(Observation(emitted, hidden, tree, result.accepted_path, pacing))
             now = time.perf_counter()
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
             pacer.record(tree.size, len(emitted), now - step_start, forward_s,
                          (forward_start - step_start) + (now - observe_start))
-    pacer.remember(drafter)
+    pacer.remember()
     stats = GenerationStats(
         new_tokens=len(new_tokens),
         target_forwards=len(accepted_lengths),

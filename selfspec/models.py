@@ -129,8 +129,8 @@ class Target:
         return self._eos
 
     def with_eos(self, eos_token_ids: Iterable[int]) -> "Target":
-        """This target stopping at other end-of-sequence ids (() for none): a new Target sharing the model, the tokenizer
-        and whatever was computed once for them (the execution path, with anything it packed or compiled)."""
+        """This target stopping at other end-of-sequence ids (() for none): a new Target sharing the model, the
+        tokenizer and whatever was computed once for them (the execution path, with anything it packed or compiled)."""
         other = replace(self, _eos=tuple(int(token) for token in eos_token_ids))
         for name, member in vars(Target).items():
             if isinstance(member, cached_property) and name in self.__dict__:

@@ -3,8 +3,23 @@
 - `PauseRule`: how long to stop drafting that lost time against plain decoding (one rule for the loop and for `auto`).
 - `DraftPacer`: the decoding loop's pacing of a whole drafter, one request at a time.
 - `SourcePacing`: `auto`'s pacing of each of its sources, by the same rule.
+- `DraftCost`: what one draft forward costs in plain target steps, for a drafter that times its forwards (layerskip),
+  and the verdict that it can never pay (`dormant`).
 - `AcceptanceCalibration`: a drafter's running estimate of how much of what it drafts the target accepts, which sizes
-  its trees (down to no draft at all when drafting does not pay).
+  its trees (down to no draft at all when drafting does not pay). Unlike the rest it is per request, and the drafter's
+  own: it holds one.
+- `Pacing`: everything above that outlives a request, as one record per drafter (and per source of a composite
+  drafter).
+
+Who holds what. The state that carries from one request to the next lives in a `Pacing` record held beside the
+drafter by whoever keeps the drafter (the `SelfSpec` object, the bench runner), never on the drafter: the caller passes
+it to `speculative_generate(..., pacing=...)` (without one a request starts from a fresh record). The loop hands the
+same record to the drafter in every `DraftRequest` and `Observation` (`.pacing`); that is the whole interface. A
+drafter reads its verdicts there (`paced`: may it skip drafting for cost; `dormant`; for `auto`, `source(name).ask()`)
+and adds the timings only it can take (`draft_cost.drafted`, a source's `earned`); it keeps no reference to it. A
+composite drafter hands each source that source's own record (`source(name)`), in the source's request and
+observation. Whether the loop paces a drafter at all is declared when it is registered (`paces_itself=True`: `ngram`,
+`history`, `auto`).
 
 Pausing or shrinking drafts never changes what is emitted: pacing only moves speed.
 """
@@ -48,8 +63,9 @@ class DraftPacer:
     pauses drafting for as many steps as keep that loss within PROBE_SHARE of the time the pause and the probe take
     together (at least MIN_PAUSE, at most MAX_PAUSE): a cheap drafter that missed a few times (prompt lookup) is
     asked again soon, an expensive one (layer-skip) rarely, and a drafter that never pays costs at most about
-    PROBE_SHARE of the time. What is left of a pause carries over to the drafter's next request (`Drafter.pacing`),
-    so that bound holds across short requests too.
+    PROBE_SHARE of the time. What is left of a pause carries over to the drafter's next request (`remember`, into its
+    `Pacing` record), so that bound holds across short requests too; an unpaced request (`enabled` False) neither
+    pauses nor touches the record.
     """
 
     PROBE_STEPS = PAUSE_RULE.window
@@ -58,20 +74,21 @@ class DraftPacer:
     MAX_PAUSE = PAUSE_RULE.max_pause
     _PLAIN_DECAY = 0.7  # weight of the older plain-step timings in the running estimate
 
-    def __init__(self, drafter, enabled: bool = True):
-        self.curve: CostCurve = drafter.cost_curve
+    def __init__(self, curve: CostCurve, record: Pacing, enabled: bool = True):
+        self.curve = curve
+        self._record = record
         self.enabled = enabled
         self.plain_s: float | None = None  # one plain step, measured
         self.paused_steps = 0
-        self._pause_left = drafter.pacing if enabled and drafter.pacing else 0
+        self._pause_left = record.pause_left if enabled else 0
         self._window_s = self._window_tokens = 0.0
         self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
         self._window_steps = 0
 
-    def remember(self, drafter) -> None:
-        """Leave what is left of the pause on the drafter for its next request."""
+    def remember(self) -> None:
+        """Leave what is left of the pause in the drafter's record, for its next request."""
         if self.enabled:
-            drafter.pacing = self._pause_left
+            self._record.pause_left = self._pause_left
 
     def should_draft(self) -> bool:
         if self._pause_left > 0:
@@ -135,6 +152,47 @@ class SourcePacing:
         self.steps = 0
 
 
+class DraftCost:
+    """What one draft token costs on this machine and path, in plain target steps: running means of the drafter's
+    one-token forwards (seconds, `drafted`: the drafter times them) and of the target's plain step (its verification
+    forward scaled down by the cost curve, `verified`: the loop reports it). A property of the machine, not of a
+    request: it is kept across requests, in the drafter's `Pacing` record."""
+
+    MIN_SAMPLES = 4  # one-token draft forwards timed before any verdict
+    DECAY = 0.8  # weight of the older timings
+
+    def __init__(self) -> None:
+        self.draft_s: float | None = None
+        self.plain_s: float | None = None
+        self.samples = 0
+
+    @classmethod
+    def _mean(cls, old: float | None, new: float) -> float:
+        return new if old is None else cls.DECAY * old + (1 - cls.DECAY) * new
+
+    def drafted(self, seconds: float, forwards: int) -> None:
+        if forwards > 0:
+            self.draft_s = self._mean(self.draft_s, seconds / forwards)
+            self.samples += forwards
+
+    def verified(self, forward_s: float, relative_cost: float) -> None:
+        if forward_s > 0:
+            self.plain_s = self._mean(self.plain_s, forward_s / relative_cost)
+
+    @property
+    def steps_per_token(self) -> float | None:
+        """One draft forward in plain target steps; None until measured."""
+        if self.draft_s is None or self.plain_s is None or self.samples < self.MIN_SAMPLES:
+            return None
+        return self.draft_s / self.plain_s
+
+    @property
+    def dormant(self) -> bool:
+        """A draft forward costs a plain step or more: even a token that is always accepted does not pay for it."""
+        cost = self.steps_per_token
+        return cost is not None and cost >= 1.0
+
+
 class AcceptanceCalibration:
     """A drafter's running estimate of the share of its drafting the target accepts, over the recent steps of one
     request: `factor` = accepted / expected (decayed sums), starting from `prior` with the weight of `weight` expected
@@ -188,3 +246,53 @@ class AcceptanceCalibration:
     def drift(self) -> None:
         """A step without a draft: close RECOVERY of the gap to the prior."""
         self.accepted += self.RECOVERY * (self.prior * self.expected - self.accepted)
+
+
+class Pacing:
+    """Pacing's record of one drafter, or of one source of a composite drafter, across its requests (the module
+    docstring says who holds it and who reads what). Its size is fixed: one `SourcePacing` and one `DraftCost`, and
+    one record per source of a composite drafter."""
+
+    def __init__(self) -> None:
+        self.paced = True  # this request lets drafting be skipped for cost (speculative_generate's `pace`)
+        self.pause_left = 0  # steps of the loop's pause left (DraftPacer), carried to the drafter's next request
+        self.skips = SourcePacing()  # as a source of a composite drafter: whether that drafter asks it (`ask`)
+        self.draft_cost = DraftCost()  # its draft forwards against a plain step, if it times them (layerskip)
+        self.plain_step_s = 0.0  # the step just verified: its forward scaled down to one plain step; 0 = unknown
+        self.sources: dict[str, Pacing] = {}  # a composite drafter's sources, by name
+
+    def new_request(self, paced: bool) -> None:
+        """The loop, as a request starts (and, through it, every source's record)."""
+        self.paced, self.plain_step_s = paced, 0.0
+        self.skips.new_request()
+        for record in self.sources.values():
+            record.new_request(paced)
+
+    def source(self, name: str) -> "Pacing":
+        """The record of a composite drafter's source `name` (made on first use), to hand to that source."""
+        if name not in self.sources:
+            self.sources[name] = Pacing()
+            self.sources[name].paced = self.paced
+        return self.sources[name]
+
+    def verified(self, forward_s: float, relative_cost: float) -> None:
+        """The loop, after each verified step: the target's forward (seconds) and its cost relative to a plain step."""
+        self.plain_step_s = forward_s / relative_cost if forward_s > 0 else 0.0
+        self.draft_cost.verified(forward_s, relative_cost)
+        for record in self.sources.values():
+            record.verified(forward_s, relative_cost)
+
+    @property
+    def dormant(self) -> bool:
+        """Drafting can never pay (DraftCost.dormant), and this request lets it be skipped."""
+        return self.paced and self.draft_cost.dormant
+
+    def ask(self) -> bool:
+        """As a source: whether the composite drafter asks it this step (always, in an unpaced request)."""
+        return not self.paced or self.skips.ask()
+
+    def earned(self, tokens: float, draft_s: float) -> None:
+        """As a source asked this step: the tokens it earned and its drafting time (seconds), judged by SourcePacing in
+        plain target steps (only in a paced request, once the step's plain step is known)."""
+        if self.paced and self.plain_step_s > 0:
+            self.skips.record(tokens, draft_s / self.plain_step_s)

@@ -17,7 +17,7 @@ from .helpers import FLAT, make_tiny_target
 def ngram_with_context(context, **options):
     drafter = create_drafter("ngram", make_tiny_target("llama"), **options)
     drafter.cost_curve = FLAT
-    drafter.observe(Observation(tuple(context), {}, None, None))
+    drafter.observe(Observation(tuple(context), {}))
     return drafter
 
 
@@ -78,20 +78,18 @@ def curve_size_limit(curve):
 def test_ngram_drafts_again_after_a_bad_stretch():
     """Failures push the acceptance estimate below break-even (no draft); steps without a draft carry no evidence, so
     the estimate drifts back to the prior and drafting resumes instead of staying off for good."""
-    from selfspec.tree_attention import DraftTree, VerifyResult
+    from selfspec.tree_attention import DraftTree
 
     drafter = ngram_with_context([1, 2, 3, 1, 2, 3, 1, 2])
     drafter.cost_curve = CostCurve((1, 2, 64), (1.0, 1.5, 40.0), source="test")  # a draft pays above a ~0.5 acceptance
     request = DraftRequest(2, 4, SamplingConfig(), None)
     assert drafter.propose(request).size > 1
-    failed = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=9, is_bonus=False)
-    for _ in range(10):
-        drafter.observe(Observation((9,), {}, failed, DraftTree.from_paths(2, [[3]])))
+    for _ in range(10):  # the drafted 3 rejected, the target's 9 committed
+        drafter.observe(Observation((9,), {}, DraftTree.from_paths(2, [[3]]), accepted_path=(0,)))
     assert drafter.acceptance < 0.2 and drafter.propose(request).size == 1
-    idle = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=2, is_bonus=False)
     steps = 0
-    while drafter.propose(request).size == 1:
-        drafter.observe(Observation((2,), {}, idle, DraftTree.root_only(2)))
+    while drafter.propose(request).size == 1:  # nothing drafted, the target's 2 committed
+        drafter.observe(Observation((2,), {}, DraftTree.root_only(2), accepted_path=(0,)))
         steps += 1
         assert steps < 100, "drafting never resumed"
     assert steps > 5  # not at once: the bad stretch still counts for a while

@@ -21,8 +21,9 @@ from ..cost import CostCurve, target_cost_curve
 from ..errors import SelfspecError
 from ..models import Target
 from ..options import format_option, from_dict, parse_drafter_spec
+from ..pacing import Pacing
 from ..sampling import SamplingConfig
-from ..tree_attention import DraftTree, VerifyResult
+from ..tree_attention import DraftTree
 
 
 @dataclass(frozen=True)
@@ -33,20 +34,38 @@ class DraftRequest:
     max_depth: int  # deepest node the loop can use (max_new_tokens and context budget); 0 means no draft
     sampling: SamplingConfig
     generator: torch.Generator | None  # draw any random draft tokens from this, so runs are reproducible
-    pace: bool = True  # False: skip nothing for cost (acceptance is measured, or a run must be reproducible)
+    # The drafter's pacing record (selfspec.pacing): `paced` False means skip nothing for cost (acceptance is
+    # measured, or a run must be reproducible). Read verdicts and add timings there; keep no reference to it.
+    pacing: Pacing = field(default_factory=Pacing)
 
 
 @dataclass(frozen=True)
 class Observation:
-    """What the drafter learns after the prefill (result is None) or after a verified step."""
+    """What the drafter learns after the prefill (`tree` is None) or after a verified step: the committed tokens, the
+    target's hidden states at them, and the drafter's own tree with the part of it the target accepted. (A source of
+    `auto` sees its own tree, whichever source's path won; the verifier's result itself is the loop's.)"""
 
     new_tokens: tuple[int, ...]  # tokens just committed (after the prefill: the whole prompt)
     hidden: dict[int, torch.Tensor]  # layer -> [m, H] at the forwarded committed positions (see below)
-    result: VerifyResult | None  # the step's verification, None after the prefill
-    tree: DraftTree | None  # the tree that was verified, None after the prefill
-    # hidden rows: after the prefill, the prompt minus its last token; after a step, the accepted path's nodes
-    # (root first). The target's extra token is never forwarded in the step that produced it.
-    forward_s: float = 0.0  # seconds the target took to verify the tree (its forward and the verifier); 0 if unknown
+    tree: DraftTree | None = None  # the drafter's tree (root only where it drafted nothing); None after the prefill
+    accepted_path: tuple[int, ...] = ()  # nodes of `tree` the target accepted, root (0) first; () after the prefill
+    pacing: Pacing = field(default_factory=Pacing)  # the drafter's pacing record, as in its DraftRequest
+    # hidden rows: after the prefill, the prompt minus its last token; after a step, the verified tree's accepted
+    # path's nodes (root first). The target's extra token is never forwarded in the step that produced it.
+
+    @property
+    def accepted_tokens(self) -> tuple[int, ...]:
+        """The drafted tokens of `tree` the target accepted: the step's committed tokens start with them."""
+        if self.tree is None:
+            return ()
+        tokens = self.tree.token_list
+        return tuple(tokens[node] for node in self.accepted_path[1:])
+
+    @property
+    def reached_leaf(self) -> bool:
+        """Every drafted token down one branch of `tree` was accepted (the target's token after it is a bonus token
+        in the verifier's terms, not a correction)."""
+        return self.tree is not None and not self.tree.children(self.accepted_path[-1])
 
 
 @dataclass(frozen=True)
@@ -65,7 +84,8 @@ class DrafterStats:
     def accepted_since(self, before: "DrafterStats") -> dict[str, int] | None:
         """Accepted draft tokens by source since `before` (an earlier report), or None for a drafter that does not count
         them by source."""
-        return {name: count - before.accepted_by_source.get(name, 0) for name, count in self.accepted_by_source.items()} or None
+        earlier = before.accepted_by_source
+        return {name: count - earlier.get(name, 0) for name, count in self.accepted_by_source.items()} or None
 
     def contributions(self) -> str:
         """Accepted draft tokens by source (a token two sources proposed counts for both), then the default sources
@@ -91,11 +111,6 @@ class Drafter(ABC):
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # indices into the target's hidden_states; -1 is the LM head's input
-    # The decoding loop's pacing of this drafter, carried from one request to the next: steps of pause left (None
-    # before its first request). See selfspec.pacing.DraftPacer.
-    pacing: int | None = None
-    # True for a drafter that weighs its own drafting cost (`auto` paces each source): the loop does not pause it.
-    paces_itself: ClassVar[bool] = False
 
     def __init__(self, target: Target, cost_curve: CostCurve, options=None):
         self.target = target
@@ -142,6 +157,9 @@ class DrafterEntry:
     config_cls: type | None  # the config of its trained heads or tuned data; None = parameter-free
     recipe: str | None  # "module:function" of its training recipe, None = not trainable with `selfspec train`
     composite: bool = False  # drafts through other registered drafters (its sources), e.g. `auto`
+    # Weighs its own drafting cost (its draft length follows its measured acceptance, or it paces its sources): the
+    # loop's DraftPacer does not pause it (selfspec.pacing).
+    paces_itself: bool = False
 
     @property
     def has_artifacts(self) -> bool:
@@ -152,14 +170,14 @@ class DrafterEntry:
 _REGISTRY: dict[str, DrafterEntry] = {}
 
 
-def register_drafter(name: str, options: type = NoOptions, config: type | None = None,
-                     recipe: str | None = None, composite: bool = False) -> Callable[[type[Drafter]], type[Drafter]]:
+def register_drafter(name: str, options: type = NoOptions, config: type | None = None, recipe: str | None = None,
+                     composite: bool = False, paces_itself: bool = False) -> Callable[[type[Drafter]], type[Drafter]]:
     def decorate(cls: type[Drafter]) -> type[Drafter]:
         if name in _REGISTRY and _REGISTRY[name].drafter_cls is not cls:
             raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].drafter_cls.__name__}")
         options()  # fail at registration, not at first use, if an options field lacks a default
         cls.name = name
-        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite)
+        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite, paces_itself)
         return cls
 
     return decorate
@@ -172,6 +190,13 @@ def unregister_drafter(name: str) -> None:
 
 def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def paces_itself(drafter: Drafter) -> bool:
+    """Whether the loop leaves the drafter's pacing to it (its registration says so; an unregistered drafter is paced
+    by the loop)."""
+    entry = _REGISTRY.get(drafter.name)
+    return entry is not None and entry.paces_itself
 
 
 def drafter_entry(name: str) -> DrafterEntry:

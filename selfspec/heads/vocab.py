@@ -149,5 +149,5 @@ class VocabHeadDrafter(Drafter):
 
     def calibrate(self, observation: Observation) -> None:
         """Subclasses call this first in observe()."""
-        if observation.result is not None:
-            self.calibration.verified(len(observation.result.accepted_tokens))
+        if observation.tree is not None:  # not the prefill
+            self.calibration.verified(len(observation.accepted_path) - 1)

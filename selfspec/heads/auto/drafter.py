@@ -4,16 +4,13 @@ observes its own view of the step."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
 
 from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target
-from ...pacing import SourcePacing
-from ...tree_attention import DraftTree, VerifyResult
+from ...tree_attention import DraftTree
 from ..base import DraftRequest, Drafter, DrafterStats, Observation, register_drafter
 from .merging import merge_trees, own_accepted_path, select_nodes, tree_of
 from .rates import SourceRates
@@ -49,9 +46,9 @@ class _Proposal:
     seconds: float  # its propose() time
 
 
-@register_drafter("auto", options=AutoOptions, composite=True)
+# It paces itself: per source (pacing.SourcePacing, in each source's own record), so the loop does not pause it whole.
+@register_drafter("auto", options=AutoOptions, composite=True, paces_itself=True)
 class AutoDrafter(Drafter):
-    paces_itself = True  # per source (SourcePacing)
 
     def __init__(self, target: Target, cost_curve: CostCurve, options: AutoOptions, sources: dict[str, Drafter],
                  left_out: dict[str, str] | None = None):
@@ -62,10 +59,8 @@ class AutoDrafter(Drafter):
         self.hidden_layers = tuple(sorted({layer for source in sources.values() for layer in source.hidden_layers}))
         self.accepted_by_source: dict[str, int] = {name: 0 for name in sources}  # over the drafter's life
         self.left_out = dict(left_out or {})  # default sources not loaded, and why
-        # Whether each source pays is a property of the source on this machine more than of one request: the
-        # schedule carries over (any skip left included); the acceptance estimates start afresh each request,
-        # from the source's record over the earlier ones (bounded: see SourceRates).
-        self.source_pacing = {name: SourcePacing() for name in sources}
+        # The acceptance estimates start afresh each request, from the source's record over the earlier ones (bounded:
+        # see SourceRates). Whether a source pays is pacing's, in the source's own record (Pacing.source).
         self.max_depth = options.max_nodes - 1  # of the merged tree, so of any node a source gets verified
         self.lifetime_rates = {name: SourceRates(options.prior_weight, self.max_depth) for name in sources}
         self.reset()
@@ -92,10 +87,7 @@ class AutoDrafter(Drafter):
             source.reset()
         self.rates = {name: SourceRates(self.options.prior_weight, self.max_depth, self.lifetime_rates[name])
                       for name in self.sources}
-        for pacing in self.source_pacing.values():
-            pacing.new_request()
         self.proposals: dict[str, _Proposal] = {}
-        self.paced = True  # whether the last request let sources be skipped (DraftRequest.pace)
 
     def stats(self) -> DrafterStats:
         """Accepted draft tokens by source over the drafter's life, and the default sources left out."""
@@ -106,11 +98,11 @@ class AutoDrafter(Drafter):
         if request.max_depth <= 0:
             return DraftTree.root_only(request.root_token)
         trees, seconds = {}, {}
-        self.paced = request.pace
         for name, source in self.sources.items():
-            if not request.pace or self.source_pacing[name].ask():
+            own = request.pacing.source(name)
+            if own.ask():
                 start = time.perf_counter()
-                trees[name] = source.propose(request)
+                trees[name] = source.propose(replace(request, pacing=own))
                 seconds[name] = time.perf_counter() - start
         paths, scores, node_paths = merge_trees(request.root_token, trees, self.rates)
         kept = [()] + select_nodes(paths, scores, self.cost_curve, self.options.max_nodes)
@@ -121,49 +113,26 @@ class AutoDrafter(Drafter):
         return tree_of(request.root_token, kept)
 
     def observe(self, observation: Observation) -> None:
-        result = observation.result
-        if result is None or observation.tree is None:  # the prefill (or a step the loop drafted nothing for)
+        """Every source observes the step with its own tree and the part of the accepted path that lay in it (the
+        tokens and hidden states are what was committed); a source not asked this step, with a root-only tree."""
+        pacing = observation.pacing
+        if observation.tree is None:  # the prefill
             for name, source in self.sources.items():
-                source.observe(self._unasked(observation) if result is not None else observation)
-            self.proposals = {}
+                source.observe(replace(observation, pacing=pacing.source(name)))
             return
-        accepted = set(result.accepted_path)
-        # One plain target step, in seconds: the verification forward scaled down by the cost curve.
-        unit_s = observation.forward_s / self.cost_curve.cost(observation.tree.size) if observation.forward_s > 0 else 0.0
+        accepted = set(observation.accepted_path)
         proposed_by = proposers(proposal.merged for proposal in self.proposals.values())
         for name, source in self.sources.items():
-            proposal = self.proposals.get(name)
+            own, proposal = pacing.source(name), self.proposals.get(name)
             if proposal is None:
-                source.observe(self._unasked(observation))
-                continue
-            own_path = own_accepted_path(proposal.tree, proposal.merged, accepted)
-            self.accepted_by_source[name] += len(own_path) - 1
-            self._learn(name, proposal, own_path)
-            if unit_s > 0 and self.paced:
-                earned = earned_tokens(accepted, proposal.merged, proposed_by)
-                self.source_pacing[name].record(earned, proposal.seconds / unit_s)
-            source.observe(self._own_view(proposal.tree, own_path, result, observation))
+                tree, own_path = DraftTree.root_only(observation.tree.token_list[0]), (0,)
+            else:
+                tree, own_path = proposal.tree, own_accepted_path(proposal.tree, proposal.merged, accepted)
+                self.accepted_by_source[name] += len(own_path) - 1
+                self._learn(name, proposal, own_path)
+                own.earned(earned_tokens(accepted, proposal.merged, proposed_by), proposal.seconds)
+            source.observe(Observation(observation.new_tokens, observation.hidden, tree, own_path, own))
         self.proposals = {}
-
-    @staticmethod
-    def _own_view(tree: DraftTree, path: tuple[int, ...], result: VerifyResult, observation: Observation) -> Observation:
-        """The step as the source would have seen it had its own tree been verified: the part of the accepted path
-        that lay in its tree; the tokens, hidden states and the step's extra token are what was committed."""
-        emitted = result.emitted
-        own = VerifyResult(
-            accepted_path=tuple(path),
-            accepted_tokens=tuple(tree.token_list[i] for i in path[1:]),
-            next_token=emitted[len(path) - 1] if len(path) - 1 < len(emitted) else emitted[-1],
-            is_bonus=not tree.children(path[-1]),
-        )
-        return Observation(observation.new_tokens, observation.hidden, own, tree, observation.forward_s)
-
-    @staticmethod
-    def _unasked(observation: Observation) -> Observation:
-        """A step in which the source proposed nothing: a root-only tree of its own, nothing of it accepted."""
-        root = observation.tree.token_list[0] if observation.tree is not None else observation.new_tokens[0]
-        nothing = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=observation.new_tokens[0], is_bonus=True)
-        return Observation(observation.new_tokens, observation.hidden, nothing, DraftTree.root_only(root), observation.forward_s)
 
     def _learn(self, name: str, proposal: _Proposal, own_path: tuple[int, ...]) -> None:
         """Each node of the source's tree whose parent was accepted was tried: count it, and whether it was accepted

@@ -74,11 +74,10 @@ class TokenIndex:
         return paths
 
 
-@register_drafter("ngram", options=NgramOptions)
+# It paces itself: its draft length already follows its measured acceptance on the cost curve (0 when drafting would
+# not pay), and a lookup is a dict access: the loop's probe-and-pause would only miss the stretches it copies.
+@register_drafter("ngram", options=NgramOptions, paces_itself=True)
 class NgramDrafter(Drafter):
-    # Its draft length already follows its measured acceptance on the cost curve (0 when drafting would not pay), and
-    # a lookup is a dict access: the loop's probe-and-pause would only miss the stretches it copies.
-    paces_itself = True
 
     def __init__(self, target: Target, cost_curve: CostCurve, options: NgramOptions = NgramOptions()):
         super().__init__(target, cost_curve, options)
@@ -122,10 +121,10 @@ class NgramDrafter(Drafter):
         return tree
 
     def observe(self, observation: Observation) -> None:
-        if observation.result is not None and observation.tree is not None and observation.tree.size > 1:
-            accepted = len(observation.result.accepted_tokens)
-            self.acceptance_estimate.record(accepted, accepted + (0 if observation.result.is_bonus else 1))
-        elif observation.result is not None:
+        if observation.tree is not None and observation.tree.size > 1:
+            accepted = len(observation.accepted_path) - 1
+            self.acceptance_estimate.record(accepted, accepted + (0 if observation.reached_leaf else 1))
+        elif observation.tree is not None:
             # No draft, no evidence: drift back toward the prior. Otherwise one bad stretch below break-even would
             # switch drafting off for good (a chain length of 0 is never measured again).
             self.acceptance_estimate.drift()
