@@ -49,6 +49,7 @@ class _Proposal:
 # It paces itself: per source (pacing.SourcePacing, in each source's own record), so the loop does not pause it whole.
 @register_drafter("auto", options=AutoOptions, composite=True, paces_itself=True)
 class AutoDrafter(Drafter):
+    """One tree a step from its sources (the package docstring says how); `sources` are drafters it loaded."""
 
     def __init__(self, target: Target, cost_curve: CostCurve, options: AutoOptions, sources: dict[str, Drafter],
                  left_out: dict[str, str] | None = None):
