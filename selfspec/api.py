@@ -11,6 +11,7 @@ from .decoding import GenerationResult, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
 from .models import DEFAULT_MODEL, Target, load_target
+from .pacing import Pacing
 from .sampling import SamplingConfig
 
 
@@ -51,17 +52,10 @@ class TextStream:
             self.sink(pieces[0] + pieces[1])
 
 
-def accepted_since(drafter, before: dict[str, int]) -> dict[str, int] | None:
-    """Accepted draft tokens by source since `before` (a copy of `drafter.accepted_by_source`), or None for a drafter
-    that does not count them by source."""
-    after = getattr(drafter, "accepted_by_source", {})
-    return {name: count - before.get(name, 0) for name, count in after.items()} or None
-
-
 class SelfSpec:
-    """A target model with a drafter attached.
+    """A target model with a drafter attached, and the drafter's pacing record beside it (kept across requests).
 
-    >>> spec = SelfSpec("default")  # drafter="auto": prompt lookup merged with every trained head found for the model
+    >>> spec = SelfSpec("default")  # drafter="auto": the lookups (ngram, history) merged with the model's trained heads
     >>> result = spec.generate("Write a haiku about caches.", max_new_tokens=64)
     >>> result.text, result.stats.mean_accepted_length
     """
@@ -86,6 +80,7 @@ class SelfSpec:
         self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
         self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
         self._drafter: Drafter | None = None
+        self.pacing = Pacing()  # the drafter's pacing record across requests (selfspec.pacing), held beside it
 
     @property
     def drafter(self) -> Drafter:
@@ -122,6 +117,7 @@ class SelfSpec:
         sinks = ([TextStream(self.target, stream)] if stream is not None else []) + ([on_step] if on_step is not None else [])
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
         tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it
-            self.drafter.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
+            self.drafter.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens,
+            pace=pace, pacing=self.pacing,
         )
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, TextIO
 
-from .api import StepText, accepted_since
+from .api import StepText
 from .errors import SelfspecError
 from .models import Target
 
@@ -128,7 +128,7 @@ def run_chat(spec, stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: b
         if interactive:
             stdout.write("bot> ")
         stdout.flush()
-        before = dict(getattr(drafter, "accepted_by_source", {}))
+        before = drafter.stats()
         painter = BurstPainter(spec.target, lambda piece: (stdout.write(piece), stdout.flush()), colour)
         try:
             result = spec.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -140,7 +140,7 @@ def run_chat(spec, stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: b
             continue
         turn += 1
         conversation.add_reply(result.text)
-        sources = accepted_since(drafter, before)
+        sources = drafter.stats().accepted_since(before)
         stdout.write("\n")
         stdout.flush()
         dropped = f" (oldest turns dropped to fit the context: {conversation.dropped})" if conversation.dropped else ""

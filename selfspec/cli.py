@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
     _add_model_args(generate)
-    _add_drafter_args(generate, "drafter spec: a name (see `selfspec drafters`) with options, e.g. layerskip:adaptive=false,max_draft=6 (default: auto, prompt lookup merged with the trained heads found for the model)")
+    _add_drafter_args(generate, "drafter spec: a name (see `selfspec drafters`) with options, e.g. "
+                                "layerskip:adaptive=false,max_draft=6 (default: auto, the lookups ngram and history "
+                                "merged with the trained heads found for the model)")
     generate.add_argument("--prompt", required=True, help="the user message (goes through the chat template)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
     generate.add_argument("--max-new-tokens", type=int, default=256)
@@ -192,7 +194,8 @@ def _generate(args) -> None:
         chat=not args.raw,
     )
     print()
-    sources = f" accepted by source: {spec.drafter.contributions()}" if hasattr(spec.drafter, "contributions") else ""
+    contributions = spec.drafter.stats().contributions()
+    sources = f" accepted by source: {contributions}" if contributions else ""
     print(f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} {result.stats.summary()}{sources}",
           file=sys.stderr)
 

@@ -7,7 +7,6 @@ one. `selfspec profile` measures and stores a curve per device; until then a bui
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -78,28 +77,6 @@ class CostCurve:
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "relative_cost": list(self.relative_cost)}
-
-
-@dataclass(frozen=True)
-class PauseRule:
-    """When drafting does not pay on this machine, for how long to stop it (the decoding loop's DraftPacer for a
-    whole drafter, `auto` for each of its sources): a probe of `window` drafting steps that lost time against plain
-    decoding pauses drafting for as many steps as keep the loss within `share` of the time the pause and the probe
-    take together, so a drafter that never pays costs about `share` of plain decoding's speed, and one that missed
-    cheaply is asked again soon."""
-
-    window: int = 4
-    share: float = 0.02
-    max_pause: int = 1024
-
-    def pause(self, lost_steps: float, min_pause: int = 0) -> int:
-        """Steps to pause after a window that lost `lost_steps` plain target steps (0 if it lost nothing)."""
-        if lost_steps <= 0:
-            return 0
-        return min(self.max_pause, max(min_pause, math.ceil(lost_steps / self.share)))
-
-
-PAUSE_RULE = PauseRule()
 
 
 def device_key(device: torch.device | str) -> str:

@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from .cost import PAUSE_RULE
 from .errors import SelfspecError
-from .heads.base import DraftRequest, Drafter, Observation
+from .heads.base import DraftRequest, Drafter, Observation, paces_itself
 from .models import Target
+from .pacing import DraftPacer, Pacing
 from .sampling import SamplingConfig, StepDraws
 from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
@@ -61,69 +61,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class DraftPacer:
-    """Stops asking the drafter for trees while drafting does not pay, on this machine.
-
-    Every PROBE_STEPS drafting steps it compares their wall time with what plain decoding would have taken for the
-    tokens they emitted (a plain step measured on steps that verified the root alone; estimated until then from the
-    drafting steps themselves, the verification forward scaled down by the cost curve). A window that lost time
-    pauses drafting for as many steps as keep that loss within PROBE_SHARE of the time the pause and the probe take
-    together (at least MIN_PAUSE, at most MAX_PAUSE): a cheap drafter that missed a few times (prompt lookup) is
-    asked again soon, an expensive one (layer-skip) rarely, and a drafter that never pays costs at most about
-    PROBE_SHARE of the time. What is left of a pause carries over to the drafter's next request (`Drafter.pacing`),
-    so that bound holds across short requests too. Which trees are verified never changes what is emitted: pacing
-    only moves speed.
-    """
-
-    PROBE_STEPS = PAUSE_RULE.window
-    PROBE_SHARE = PAUSE_RULE.share
-    MIN_PAUSE = 4
-    MAX_PAUSE = PAUSE_RULE.max_pause
-    _PLAIN_DECAY = 0.7  # weight of the older plain-step timings in the running estimate
-
-    def __init__(self, drafter: Drafter, enabled: bool = True):
-        self.curve = drafter.cost_curve
-        self.enabled = enabled
-        self.plain_s: float | None = None  # one plain step, measured
-        self.paused_steps = 0
-        self._pause_left = drafter.pacing if enabled and drafter.pacing else 0
-        self._window_s = self._window_tokens = 0.0
-        self._window_plain_s = 0.0  # the same steps' plain-step estimates, summed
-        self._window_steps = 0
-
-    def remember(self, drafter: Drafter) -> None:
-        """Leave what is left of the pause on the drafter for its next request."""
-        if self.enabled:
-            drafter.pacing = self._pause_left
-
-    def should_draft(self) -> bool:
-        if self._pause_left > 0:
-            self._pause_left -= 1
-            self.paused_steps += 1
-            return False
-        return True
-
-    def record(self, tree_size: int, emitted: int, step_s: float, forward_s: float, draft_s: float) -> None:
-        if tree_size <= 1:
-            plain = step_s - draft_s
-            self.plain_s = plain if self.plain_s is None else self._PLAIN_DECAY * self.plain_s + (1 - self._PLAIN_DECAY) * plain
-            return
-        if not self.enabled:
-            return
-        self._window_s += step_s
-        self._window_tokens += emitted
-        self._window_plain_s += step_s - draft_s - forward_s + forward_s / self.curve.cost(tree_size)
-        self._window_steps += 1
-        if self._window_steps < self.PROBE_STEPS:
-            return
-        plain_s = self.plain_s if self.plain_s is not None else self._window_plain_s / self._window_steps
-        lost_s = self._window_s - self._window_tokens * plain_s  # versus plain decoding of the same tokens
-        if lost_s > 0:
-            self._pause_left = PAUSE_RULE.pause(lost_s / plain_s, self.MIN_PAUSE)
-        self._window_s = self._window_tokens = self._window_plain_s = 0.0
-        self._window_steps = 0
-
-
 def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
     """Check the request up front; returns input_ids as [1, L] long on the target's device."""
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -157,12 +94,14 @@ def speculative_generate(
     seed: int = 0,
     on_tokens: Callable[[tuple[int, ...]], None] | None = None,
     pace: bool = True,
+    pacing: Pacing | None = None,
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens.
     `pace`: pause drafting while it does not pay (DraftPacer, or the drafter's own pacing when it paces itself);
-    False asks the drafter for a tree at every step. When sampling, `seed` fixes the text: the token at output
-    position t is drawn with a uniform keyed on (seed, t) (see StepDraws), so every drafter whose children are
-    deterministic emits what plain sampling with that seed emits."""
+    False asks the drafter for a tree at every step. `pacing`: the drafter's record from its earlier requests (what is
+    left of a pause, its draft cost: selfspec.pacing), updated here; None starts from a fresh one. When sampling,
+    `seed` fixes the text: the token at output position t is drawn with a uniform keyed on (seed, t) (see
+    StepDraws), so every drafter whose children are deterministic emits what plain sampling with that seed emits."""
     input_ids = validate_request(target, input_ids, max_new_tokens, seed)
     model, device, eos = target.model, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -171,21 +110,23 @@ def speculative_generate(
     accepted_lengths: list[int] = []
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
-    pacer = DraftPacer(drafter, enabled=pace and not drafter.paces_itself)
+    pacing = Pacing() if pacing is None else pacing
+    pacing.new_request(pace)
+    pacer = DraftPacer(drafter.cost_curve, pacing, enabled=pace and not paces_itself(drafter))
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
         prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None
         drafter.reset()
-        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, None, None))
+        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, pacing=pacing))
         prefill_s = time.perf_counter() - start
         while True:
             step_start = time.perf_counter()
             budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
             # 2. Propose, within what the loop can still emit this step (unless drafting is paused: see DraftPacer).
             if pacer.should_draft():
-                request = DraftRequest(committed[-1], budget - 1, sampling, generator, pace)
+                request = DraftRequest(committed[-1], budget - 1, sampling, generator, pacing)
                 tree = drafter.propose(request).pruned(budget - 1)
             else:
                 tree = DraftTree.root_only(committed[-1])
@@ -216,16 +157,18 @@ def speculative_generate(
             if len(committed) >= target.context_limit:
                 stop_reason = "context"
                 break
-            # 6. Let the drafter see what was committed (and the accepted path's hidden states).
+            # 6. Let the drafter see what was committed (and the accepted path's hidden states), after the pacing
+            #    record has the step's forward time.
             observe_start = time.perf_counter()
             path = torch.tensor(result.accepted_path, device=device)
             hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
-            drafter.observe(Observation(emitted, hidden, result, tree, forward_s))
+            pacing.verified(forward_s, drafter.cost_curve.cost(tree.size))
+            drafter.observe(Observation(emitted, hidden, tree, result.accepted_path, pacing))
             now = time.perf_counter()
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
             pacer.record(tree.size, len(emitted), now - step_start, forward_s,
                          (forward_start - step_start) + (now - observe_start))
-    pacer.remember(drafter)
+    pacer.remember()
     stats = GenerationStats(
         new_tokens=len(new_tokens),
         target_forwards=len(accepted_lengths),

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
-from .api import StepText, accepted_since
+from .api import StepText
 from .errors import SelfspecError
 from .heads import drafter_names, parse_drafter_options
 
@@ -81,12 +81,12 @@ class DemoState:
             send({"event": "step", "run": run, "burst": pieces[0], "own": pieces[1], "accepted": len(token_ids),
                   "tokens": counts["tokens"], "elapsed": round(time.perf_counter() - start, 4)})
 
-        before = dict(getattr(spec.drafter, "accepted_by_source", {}))
+        before = spec.drafter.stats()
         result = spec.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, on_step=on_step)
         stats = result.stats
         send({"event": "done", "run": run, "tokens": stats.new_tokens, "tok_s": round(stats.tokens_per_s, 2),
               "tau": round(stats.mean_accepted_length, 3), "forwards": stats.target_forwards,
-              "sources": accepted_since(spec.drafter, before)})
+              "sources": spec.drafter.stats().accepted_since(before)})
 
 
 def page() -> bytes:

@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -126,6 +127,15 @@ class Target:
                 eos = self.tokenizer.eos_token_id
             self._eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         return self._eos
+
+    def with_eos(self, eos_token_ids: Iterable[int]) -> "Target":
+        """This target stopping at other end-of-sequence ids (() for none): a new Target sharing the model, the
+        tokenizer and whatever was computed once for them (the execution path, with anything it packed or compiled)."""
+        other = replace(self, _eos=tuple(int(token) for token in eos_token_ids))
+        for name, member in vars(Target).items():
+            if isinstance(member, cached_property) and name in self.__dict__:
+                other.__dict__[name] = self.__dict__[name]
+        return other
 
     @cached_property
     def fingerprint(self) -> ModelFingerprint:

@@ -130,8 +130,7 @@ def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: int |
 def without_eos(target: Target) -> Target:
     """Generation that never stops early, for the reference and the loop alike."""
     target.model.generation_config.eos_token_id = None
-    target._eos = ()
-    return target
+    return target.with_eos(())
 
 
 # ---- sampling: the chi-square machinery ------------------------------------------------------------------------------
@@ -145,8 +144,7 @@ def chi_target(num_hidden_layers: int = 1, kernels: str = "auto", family: str = 
     """A tiny target over VOCAB tokens with spread-out distributions, no EOS."""
     target = make_tiny_target(family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers,
                               kernels=kernels)
-    target._eos = ()
-    return target
+    return target.with_eos(())
 
 
 def expected_joint(target, prompt: list[int] = CHI_PROMPT) -> torch.Tensor:

@@ -8,12 +8,14 @@ import json
 import pytest
 import torch
 
-from selfspec.cost import PAUSE_RULE, CostCurve
+from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter, register_drafter, unregister_drafter
 from selfspec.heads import artifacts
-from selfspec.heads.auto import MIN_HELDOUT_TAU, SourcePacing, SourceRates, merge_trees, select_nodes
+from selfspec.heads.auto import MIN_HELDOUT_TAU, SourceRates, merge_trees, select_nodes
+from selfspec.heads.auto.rates import RANKS
+from selfspec.pacing import PAUSE_RULE, Pacing, SourcePacing
 from selfspec.tree_attention import DraftTree
 
 from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_dflash_dir, random_eagle_dir, without_eos
@@ -27,7 +29,7 @@ def rates(**by_source: float) -> dict[str, SourceRates]:
     """Sources whose every node is accepted with the given chance (a strong prior, nothing observed)."""
     out = {}
     for name, chance in by_source.items():
-        estimate = SourceRates(prior_weight=1e6)
+        estimate = SourceRates(prior_weight=1e6, max_depth=8)
         estimate.PRIOR = (chance, chance, chance)
         out[name] = estimate
     return out
@@ -64,7 +66,7 @@ def test_the_budget_keeps_the_best_nodes_and_their_parents():
 
 
 def test_acceptance_estimates_follow_the_accept_history():
-    estimate = SourceRates(prior_weight=2.0)
+    estimate = SourceRates(prior_weight=2.0, max_depth=8)
     assert estimate.rate(1, 0) == pytest.approx(0.5) and estimate.rate(1, 1) == pytest.approx(0.15)
     for accepted in [True] * 8:
         estimate.record(1, 0, accepted)
@@ -78,13 +80,13 @@ def test_acceptance_estimates_follow_the_accept_history():
 
 
 def test_a_request_starts_from_the_sources_record_over_earlier_requests():
-    lifetime = SourceRates(prior_weight=2.0)
-    first = SourceRates(prior_weight=2.0, prior=lifetime)
+    lifetime = SourceRates(prior_weight=2.0, max_depth=8)
+    first = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)
     assert first.rate(1, 0) == pytest.approx(0.5)  # no record yet: the fixed prior
     for _ in range(20):
         first.record(1, 0, False)
     assert lifetime.rate(1, 0) == pytest.approx(1.0 / 22)  # every request's record reaches the lifetime one
-    second = SourceRates(prior_weight=2.0, prior=lifetime)  # the next request: nothing of its own yet
+    second = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)  # the next request: nothing of its own yet
     assert second.rate(1, 0) == pytest.approx(lifetime.rate(1, 0)) and second.rate(1, 1) == pytest.approx(0.15)
     second.record(1, 0, True)
     assert second.rate(1, 0) == pytest.approx((1 + 2 * lifetime.rate(1, 0)) / 3)
@@ -152,32 +154,33 @@ def test_sources_keep_their_own_state_when_another_source_wins(tmp_path, oracle_
     for name, observations in seen.items():
         committed = [t for observation in observations[1:] for t in observation.new_tokens]
         assert committed == list(tokens[: len(committed)])  # every source saw every committed token
-        for observation in observations[1:]:
-            own = observation.result
-            assert own.accepted_path[0] == 0 and all(i < observation.tree.size for i in own.accepted_path)
-            assert own.accepted_tokens == observation.new_tokens[: len(own.accepted_tokens)]
+        for own in observations[1:]:  # its own tree, and the part of the accepted path that lay in it
+            assert own.accepted_path[0] == 0 and all(i < own.tree.size for i in own.accepted_path)
+            assert own.accepted_tokens == own.new_tokens[: len(own.accepted_tokens)]
     eagle = auto.sources["eagle"]
     eagle.propose(type("R", (), {"root_token": tokens[-1], "max_depth": 2, "sampling": None, "generator": None})())
     # Its cache holds a pair for every position the loop reported (the last step is never observed: the loop ends).
     assert eagle.position == len(prompt) - 1 + len(tokens) - stats.accepted_lengths[-1]
-    assert max(stats.accepted_lengths) > 2 and auto.accepted_by_source["oracle-source"] > 10
-    eagle_views = [observation.result for observation in seen["eagle"][1:]]
-    assert sum(len(view.accepted_tokens) for view in eagle_views) == auto.accepted_by_source["eagle"]
-    assert auto.accepted_by_source["eagle"] < auto.accepted_by_source["oracle-source"]
+    assert max(stats.accepted_lengths) > 2 and auto.stats().accepted_by_source["oracle-source"] > 10
+    eagle_views = seen["eagle"][1:]
+    assert sum(len(view.accepted_tokens) for view in eagle_views) == auto.stats().accepted_by_source["eagle"]
+    assert auto.stats().accepted_by_source["eagle"] < auto.stats().accepted_by_source["oracle-source"]
 
 
 class _Twin(_Oracle):
     """A second oracle: the same trees as the first."""
 
 
-def _earnings(auto) -> dict[str, list[float]]:
-    """Spy on what each source is credited with, window step by window step."""
+def _earnings(auto, pacing: Pacing) -> dict[str, list[float]]:
+    """Spy on what each source is credited with in its pacing record, window step by window step."""
     earned = {name: [] for name in auto.sources}
-    for name, pacing in auto.source_pacing.items():
-        def record(tokens, cost, name=name, record=pacing.record):
+    for name in auto.sources:
+        skips = pacing.source(name).skips
+
+        def record(tokens, cost, name=name, record=skips.record):
             earned[name].append(tokens)
             record(tokens, cost)
-        pacing.record = record
+        skips.record = record
     return earned
 
 
@@ -189,15 +192,17 @@ def test_a_source_earns_only_the_accepted_tokens_no_other_source_proposed(tmp_pa
         _Oracle.full = list(PROMPT) + reference
         twins = create_drafter("auto:sources=oracle-source+oracle-twin", target)
         twins.cost_curve = FLAT
-        earned = _earnings(twins)
-        tokens, stats = speculative_generate(target, twins, torch.tensor(PROMPT), 24)
+        pacing = Pacing()
+        earned = _earnings(twins, pacing)
+        tokens, stats = speculative_generate(target, twins, torch.tensor(PROMPT), 24, pacing=pacing)
         assert list(tokens) == reference and max(stats.accepted_lengths) > 2
         # Either twin alone would have proposed every accepted token: neither adds anything to the other.
         assert earned["oracle-source"] and not any(sum(credits) for credits in earned.values())
         with_eagle = create_drafter("auto:sources=oracle-source+eagle", target, random_eagle_dir(target, tmp_path / "h"))
         with_eagle.cost_curve = FLAT
-        earned = _earnings(with_eagle)
-        tokens, _ = speculative_generate(target, with_eagle, torch.tensor(PROMPT), 24)
+        pacing = Pacing()
+        earned = _earnings(with_eagle, pacing)
+        tokens, _ = speculative_generate(target, with_eagle, torch.tensor(PROMPT), 24, pacing=pacing)
         assert list(tokens) == reference and sum(earned["oracle-source"]) > 10  # a random head finds none of them
     finally:
         unregister_drafter("oracle-twin")
@@ -226,10 +231,10 @@ def test_default_sources_leave_out_heads_that_drafted_little_on_held_out_prompts
     auto = create_drafter("auto", target)
     assert ("eagle" in auto.sources) == joins
     if not joins:
-        assert auto.left_out["eagle"] == f"held-out mean accepted length 1.10 < {MIN_HELDOUT_TAU}"
-        assert "eagle left out (held-out mean accepted length 1.10" in auto.contributions()
+        assert auto.stats().left_out["eagle"] == f"held-out mean accepted length 1.10 < {MIN_HELDOUT_TAU}"
+        assert "eagle left out (held-out mean accepted length 1.10" in auto.stats().contributions()
     named = create_drafter("auto:sources=ngram+eagle", target)  # sources named outright join whatever the report
-    assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].heldout_tau == heldout
+    assert list(named.sources) == ["ngram", "eagle"] and named.sources["eagle"].stats().heldout_tau == heldout
 
 
 def test_dflash_joins_auto_only_when_asked(tmp_path, monkeypatch):
@@ -246,12 +251,27 @@ def test_dflash_joins_auto_only_when_asked(tmp_path, monkeypatch):
 def test_unpaced_requests_ask_every_source_at_every_step():
     target = without_eos(make_tiny_target("llama"))
     auto = create_drafter("auto:sources=ngram", target)
-    auto.source_pacing["ngram"].skip_left = 1000  # as if lookup had been failing for a long while
+    pacing = Pacing()  # auto's record, as SelfSpec keeps it across requests
+    pacing.source("ngram").skips.skip_left = 1000  # as if lookup had been failing for a long while
     asked = []
     propose = auto.sources["ngram"].propose
-    auto.sources["ngram"].propose = lambda request: asked.append(request.pace) or propose(request)
-    speculative_generate(target, auto, torch.tensor(PROMPT), 12, pace=False)
-    assert len(asked) >= 6 and not any(asked) and auto.source_pacing["ngram"].skip_left == 1000
+    auto.sources["ngram"].propose = lambda request: asked.append(request.pacing.paced) or propose(request)
+    speculative_generate(target, auto, torch.tensor(PROMPT), 12, pace=False, pacing=pacing)
+    assert len(asked) >= 6 and not any(asked) and pacing.source("ngram").skips.skip_left == 1000
     before = len(asked)
-    speculative_generate(target, auto, torch.tensor(PROMPT), 12)  # paced: the skip holds
-    assert len(asked) == before and auto.source_pacing["ngram"].skip_left < 1000
+    speculative_generate(target, auto, torch.tensor(PROMPT), 12, pacing=pacing)  # paced: the skip holds
+    assert len(asked) == before and pacing.source("ngram").skips.skip_left < 1000
+
+
+def test_what_auto_keeps_across_requests_is_bounded():
+    estimate = SourceRates(prior_weight=2.0, max_depth=3)
+    with pytest.raises(ValueError, match="depth 4"):  # no tree of max_depth + 1 nodes holds a node that deep
+        estimate.record(4, 0, True)
+    target = without_eos(make_tiny_target("llama"))
+    auto = create_drafter("auto:sources=ngram+history,max_nodes=6", target)
+    auto.cost_curve = FLAT
+    for start in range(6):
+        speculative_generate(target, auto, torch.tensor(PROMPT[start:] + PROMPT), 16)
+    assert sum(auto.stats().accepted_by_source.values()) > 0  # the sources drafted, and their rates were recorded
+    for lifetime in auto.lifetime_rates.values():
+        assert lifetime.max_depth == 5 and len(lifetime.tries) <= 5 * RANKS

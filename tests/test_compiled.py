@@ -37,7 +37,7 @@ def compiled_target(tmp_path_factory):
     patch.setenv("SELFSPEC_CACHE", str(cache))
     messages = []
     base = without_eos(make_tiny_target("llama", max_position_embeddings=512))
-    target = Target(model=base.model, tokenizer=None, name=base.name, _eos=(), kernels="compiled")
+    target = Target(model=base.model, tokenizer=None, name=base.name, kernels="compiled").with_eos(())
     target.execution.compiled.log = messages.append
     with torch.inference_mode(), target.execution.active():
         pass
@@ -105,7 +105,7 @@ def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_p
 def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     base = without_eos(make_tiny_target(family, max_position_embeddings=512))
-    target = Target(model=base.model, tokenizer=None, name=base.name, _eos=(), kernels="compiled")
+    target = Target(model=base.model, tokenizer=None, name=base.name, kernels="compiled").with_eos(())
     target.execution.compiled.log = lambda message: None
     reference = hf_greedy(target, LONG_PROMPT, 30, eos=-1)
     for spec in ("none", "ngram"):

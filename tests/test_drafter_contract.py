@@ -26,6 +26,7 @@ from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import Drafter, create_drafter, drafter_entry, drafter_names, parse_drafter_options
 from selfspec.heads import register_drafter, unregister_drafter
+from selfspec.heads.base import DrafterStats
 from selfspec.heads.artifacts import load_head, save_head
 from selfspec.heads.layerskip import load_skip_file, save_skip_file
 from selfspec.models import Target
@@ -171,6 +172,7 @@ def check_greedy(name: str, family: str, tmp_path: Path, kernels: str = "fast") 
                 assert (max(stats.tree_sizes) > 1) == case.drafts, f"{name} {options}: tree sizes {set(stats.tree_sizes)}"
             budget = options.get("fixed_nodes") or options.get("max_nodes")
             assert budget is None or max(stats.tree_sizes) <= budget
+            assert isinstance(drafter.stats(), DrafterStats)  # what the faces read instead of drafter-specific fields
 
 
 # ---- the registry is the suite's table --------------------------------------------------------------------------------

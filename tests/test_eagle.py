@@ -163,7 +163,7 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
     heads_dir = tmp_path / "heads"
     assert json.loads((heads_dir / "config.json").read_text())["drafter"] == "eagle"
     target = load_target(str(tiny_checkpoint))
-    target._eos = ()
+    target = target.with_eos(())
     prompt = target.encode_prompt("the cat sat on")[0].tolist()
     tokens, _ = speculative_generate(target, create_drafter("eagle", target, heads_dir), torch.tensor(prompt), 20)
     assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)
@@ -216,7 +216,7 @@ def test_tiny_eagle3_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     saved = json.loads((heads_dir / "config.json").read_text())
     assert saved["drafter"] == "eagle3" and saved["config"]["feature_layers"] == [0, 1, 2]  # resolved and written
     target = load_target(str(tiny_checkpoint))
-    target._eos = ()
+    target = target.with_eos(())
     prompt = target.encode_prompt("the cat sat on")[0].tolist()
     tokens, _ = speculative_generate(target, create_drafter("eagle3", target, heads_dir), torch.tensor(prompt), 20)
     assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)

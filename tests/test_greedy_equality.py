@@ -26,7 +26,7 @@ def drafters_for(target: Target, reference: list[int]):
 def test_greedy_equals_plain_greedy(family):
     target = make_tiny_target(family)
     target.model.generation_config.eos_token_id = None  # run the full length
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 40, eos=-1)
     assert len(reference) == 40
     for name, drafter in drafters_for(target, reference).items():
@@ -42,7 +42,7 @@ def test_greedy_equals_plain_greedy(family):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_with_sliding_window_family(family):
     target = make_tiny_target(family)
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 24, eos=-1)
     tokens, _ = speculative_generate(target, OracleDrafter(target, PROMPT + reference, decoys=True), torch.tensor(PROMPT), 24)
     assert list(tokens) == reference
@@ -50,11 +50,11 @@ def test_greedy_with_sliding_window_family(family):
 
 def test_eos_inside_accepted_draft_stops_there():
     target = make_tiny_target("llama")
-    target._eos = ()
+    target = target.with_eos(())
     free_run = hf_greedy(target, PROMPT, 30, eos=-1)
     eos = free_run[6]  # a token the oracle will draft in the middle of an accepted chain
     first = free_run.index(eos)
-    target._eos = (eos,)
+    target = target.with_eos((eos,))
     reference = hf_greedy(target, PROMPT, 30, eos=eos)
     assert reference == free_run[: first + 1]
     tokens, stats = speculative_generate(target, OracleDrafter(target, PROMPT + free_run, depth=8), torch.tensor(PROMPT), 30)
@@ -65,7 +65,7 @@ def test_eos_inside_accepted_draft_stops_there():
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
 def test_exactly_max_new_tokens_even_when_drafts_are_longer(max_new_tokens):
     target = make_tiny_target("qwen2")
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, max_new_tokens, eos=-1)
     drafter = OracleDrafter(target, PROMPT + hf_greedy(target, PROMPT, 20, eos=-1), depth=6)
     tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), max_new_tokens)
@@ -74,7 +74,7 @@ def test_exactly_max_new_tokens_even_when_drafts_are_longer(max_new_tokens):
 
 def test_stops_at_context_limit():
     target = make_tiny_target("llama", max_position_embeddings=len(PROMPT) + 9)
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 30, eos=-1)[:9]
     drafter = OracleDrafter(target, PROMPT + reference + [3] * 20, depth=5)
     tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
@@ -84,7 +84,7 @@ def test_stops_at_context_limit():
 
 def test_single_token_prompt():
     target = make_tiny_target("mistral")
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, [7], 12, eos=-1)
     tokens, _ = speculative_generate(target, create_drafter("ngram", target), torch.tensor([7]), 12)
     assert list(tokens) == reference

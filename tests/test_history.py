@@ -22,13 +22,13 @@ def served(*requests: list[int], **options):
     drafter.cost_curve = FLAT
     for tokens in requests:
         drafter.reset()
-        drafter.observe(Observation(tuple(tokens), {}, None, None))
+        drafter.observe(Observation(tuple(tokens), {}))
     drafter.reset()
     return drafter
 
 
 def paths_of(drafter, context: list[int], root: int, depth: int = 4) -> list[list[int]]:
-    drafter.observe(Observation(tuple(context), {}, None, None))
+    drafter.observe(Observation(tuple(context), {}))
     tree = drafter.propose(DraftRequest(root, depth, SamplingConfig(), None))
     return [[tree.token_list[i] for i in tree.path_to(leaf)][1:] for leaf in range(tree.size) if not tree.children(leaf)]
 

@@ -195,7 +195,7 @@ def test_greedy_is_plain_greedy_on_both_paths(family, tmp_path):
     outputs = {}
     for kernels in ("stock", "fast"):
         base = without_eos(make_tiny_target(family))
-        target = Target(model=base.model, tokenizer=None, name=base.name, _eos=(), kernels=kernels)
+        target = Target(model=base.model, tokenizer=None, name=base.name, kernels=kernels).with_eos(())
         assert target.execution.name == kernels
         reference = hf_greedy(target, PROMPT, 24, eos=-1)
         for spec, heads in (("none", None), ("ngram", None), ("eagle:fixed_nodes=6", random_eagle_dir(target, tmp_path / kernels))):

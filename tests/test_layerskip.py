@@ -12,7 +12,6 @@ from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest
 from selfspec.heads.layerskip import (
-    DraftCost,
     LayerSkipSettings,
     SkipPlan,
     SkippingForward,
@@ -21,6 +20,7 @@ from selfspec.heads.layerskip import (
     load_skip_file,
     save_skip_file,
 )
+from selfspec.pacing import DraftCost, Pacing
 from selfspec.sampling import SamplingConfig
 
 from .helpers import CORE_FAMILIES, PROMPT, hf_greedy, make_tiny_target
@@ -85,7 +85,7 @@ def test_draft_cache_rolls_back_to_the_committed_text():
     fresh = _drafter(target, threshold=0.0, max_draft=4, adaptive=False)
     from selfspec.heads.base import Observation
 
-    fresh.observe(Observation(tuple(full), {}, None, None))
+    fresh.observe(Observation(tuple(full), {}))
     with torch.inference_mode():
         fresh_tree = fresh.propose(request)
     assert tree.token_list == fresh_tree.token_list and tree.size == 5
@@ -124,25 +124,28 @@ class _InstantTarget(DraftCost):
 def test_a_draft_that_costs_a_plain_step_stops_drafting_unless_unpaced():
     target = make_tiny_target("llama", num_hidden_layers=4)
     target.model.generation_config.eos_token_id = None
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 20, eos=-1)
     drafter = _drafter(target, threshold=0.0, adaptive=False)
-    drafter.draft_cost = _InstantTarget()
-    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20)
-    assert drafter.draft_cost.dormant and drafter.draft_cost.samples >= DraftCost.MIN_SAMPLES
+    pacing = Pacing()  # the drafter's record, held beside it across requests
+    pacing.draft_cost = _InstantTarget()
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pacing=pacing)
+    assert pacing.draft_cost.dormant and pacing.draft_cost.samples >= DraftCost.MIN_SAMPLES
     drafted = [size for size in stats.tree_sizes if size > 1]
     assert 0 < len(drafted) < len(stats.tree_sizes)  # it drafted until the verdict, then never again
     assert set(stats.tree_sizes[len(drafted):]) == {1}
     assert list(tokens) == reference
-    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pace=False)
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pace=False, pacing=pacing)
     assert list(tokens) == reference and set(stats.tree_sizes) != {1}  # unpaced: it drafts whatever it costs
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pacing=pacing)
+    assert list(tokens) == reference and set(stats.tree_sizes) == {1}  # the verdict is kept across requests
 
 
 @pytest.mark.parametrize("family", CORE_FAMILIES)
 def test_greedy_equality_with_layerskip_drafts(family):
     target = make_tiny_target(family, num_hidden_layers=4)
     target.model.generation_config.eos_token_id = None
-    target._eos = ()
+    target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 30, eos=-1)
     for options in ({"threshold": 0.0}, {"threshold": 0.2, "branch_threshold": 0.9}, {"skip_attention": [], "skip_mlp": [], "threshold": 0.0, "adaptive": False}):
         drafter = _drafter(target, max_draft=5, **options)

@@ -51,3 +51,12 @@ def test_hub_id_without_local_copy_is_an_offline_error():
 def test_sliding_window_models_are_limited_to_their_window():
     assert make_tiny_target("gemma2").context_limit == 200
     assert make_tiny_target("llama").context_limit == 256
+
+
+def test_with_eos_is_a_new_target_sharing_the_model_and_its_execution_path():
+    target = make_tiny_target("llama")
+    path = target.execution
+    plain = target.with_eos(())
+    assert plain.eos_token_ids == () and target.eos_token_ids == (2,)  # the original keeps its own
+    assert plain.model is target.model and plain.execution is path and plain.kernels == target.kernels
+    assert plain.with_eos([5, 7]).eos_token_ids == (5, 7)

@@ -5,8 +5,7 @@ import torch
 
 from selfspec.cost import CostCurve, monotone_fit
 from selfspec.decoding import speculative_generate
-from selfspec.heads.base import AcceptanceCalibration
-from selfspec.tree_attention import VerifyResult
+from selfspec.pacing import AcceptanceCalibration
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
 from selfspec.sampling import SamplingConfig
@@ -18,7 +17,7 @@ from .helpers import FLAT, make_tiny_target
 def ngram_with_context(context, **options):
     drafter = create_drafter("ngram", make_tiny_target("llama"), **options)
     drafter.cost_curve = FLAT
-    drafter.observe(Observation(tuple(context), {}, None, None))
+    drafter.observe(Observation(tuple(context), {}))
     return drafter
 
 
@@ -79,27 +78,21 @@ def curve_size_limit(curve):
 def test_ngram_drafts_again_after_a_bad_stretch():
     """Failures push the acceptance estimate below break-even (no draft); steps without a draft carry no evidence, so
     the estimate drifts back to the prior and drafting resumes instead of staying off for good."""
-    from selfspec.tree_attention import DraftTree, VerifyResult
+    from selfspec.tree_attention import DraftTree
 
     drafter = ngram_with_context([1, 2, 3, 1, 2, 3, 1, 2])
     drafter.cost_curve = CostCurve((1, 2, 64), (1.0, 1.5, 40.0), source="test")  # a draft pays above a ~0.5 acceptance
     request = DraftRequest(2, 4, SamplingConfig(), None)
     assert drafter.propose(request).size > 1
-    failed = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=9, is_bonus=False)
-    for _ in range(10):
-        drafter.observe(Observation((9,), {}, failed, DraftTree.from_paths(2, [[3]])))
+    for _ in range(10):  # the drafted 3 rejected, the target's 9 committed
+        drafter.observe(Observation((9,), {}, DraftTree.from_paths(2, [[3]]), accepted_path=(0,)))
     assert drafter.acceptance < 0.2 and drafter.propose(request).size == 1
-    idle = VerifyResult(accepted_path=(0,), accepted_tokens=(), next_token=2, is_bonus=False)
     steps = 0
-    while drafter.propose(request).size == 1:
-        drafter.observe(Observation((2,), {}, idle, DraftTree.root_only(2)))
+    while drafter.propose(request).size == 1:  # nothing drafted, the target's 2 committed
+        drafter.observe(Observation((2,), {}, DraftTree.root_only(2), accepted_path=(0,)))
         steps += 1
         assert steps < 100, "drafting never resumed"
     assert steps > 5  # not at once: the bad stretch still counts for a while
-
-
-def _result(accepted: int):
-    return VerifyResult(accepted_path=tuple(range(accepted + 1)), accepted_tokens=(7,) * accepted, next_token=1, is_bonus=False)
 
 
 def test_acceptance_calibration_on_hand_made_histories():
@@ -107,19 +100,19 @@ def test_acceptance_calibration_on_hand_made_histories():
     assert calibration.factor == 1.0 and calibration.scaled([0.5, 0.9]) == [0.5, 0.9]
     for _ in range(30):  # the head expected 1.5 accepted tokens a step; the verifier took 0.3
         calibration.proposed([0.9, 0.6])
-        calibration.verified(_result(0 if _ % 10 else 3))
+        calibration.verified(0 if _ % 10 else 3)
     assert 0.05 < calibration.factor < 0.35  # about 0.3 / 1.5, as the decayed sums fluctuate
     shrunk = calibration.factor
     steep = CostCurve((1, 2, 4), (1.0, 1.5, 2.0), source="test")
     assert steep.best_size([0.9, 0.6])[0] == 3 and steep.best_size(calibration.scaled([0.9, 0.6]))[0] == 1
     for _ in range(20):  # steps without a draft: the factor drifts back toward 1, so drafting can restart
-        calibration.verified(_result(0))
+        calibration.verified(0)
     assert shrunk < calibration.factor < 1.0
     calibration.reset()
     assert calibration.factor == 1.0
     for _ in range(30):  # an underconfident head: the factor grows, each calibrated gain stays a probability
         calibration.proposed([0.3])
-        calibration.verified(_result(1))
+        calibration.verified(1)
     assert calibration.factor > 2.0 and calibration.scaled([0.3, 0.9]) == [min(1.0, 0.3 * calibration.factor), 1.0]
 
 

@@ -9,16 +9,13 @@ import pytest
 import torch
 
 from selfspec.cost import CostCurve
-from selfspec.decoding import DraftPacer, speculative_generate
+from selfspec.decoding import speculative_generate
+from selfspec.heads import register_drafter, unregister_drafter
+from selfspec.pacing import DraftPacer, Pacing
 
 from .helpers import PROMPT, RandomDrafter, hf_greedy, make_tiny_target, without_eos
 
 CURVE = CostCurve((1, 2, 16), (1.0, 1.0, 2.0), source="test")
-
-
-class _Timed:
-    cost_curve = CURVE
-    pacing = None
 
 
 def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -> list[bool]:
@@ -36,7 +33,7 @@ def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -
 
 def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost():
     assert DraftPacer.PROBE_SHARE == 0.02  # the step counts below follow from it
-    pacer = DraftPacer(_Timed())
+    pacer = DraftPacer(CURVE, Pacing())
     # 0.15 s a step for 1.2 tokens: 0.125 s a token; a plain step would cost ~0.13 s here (0.15 - 0.02 - 0.1 + 0.1).
     assert all(drafting_steps(pacer, 8, step_s=0.15, emitted=1.2))
     # 0.15 s a step for 1 token. Before any plain step is measured the window is judged against the estimate
@@ -47,10 +44,10 @@ def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost():
     assert pacer.paused_steps == 131 and pacer.plain_s == pytest.approx(0.1)
     # A cheap drafter that just missed (0.101 s for 1 token) pauses only MIN_PAUSE steps; a costly one at most
     # MAX_PAUSE.
-    cheap = DraftPacer(_Timed())
+    cheap = DraftPacer(CURVE, Pacing())
     cheap.plain_s = 0.1
     assert drafting_steps(cheap, 4 + 5, step_s=0.101, emitted=1) == [True] * 4 + [False] * 4 + [True]
-    costly = DraftPacer(_Timed())
+    costly = DraftPacer(CURVE, Pacing())
     costly.plain_s = 0.1
     drafting_steps(costly, 4, step_s=1.0, emitted=1)
     assert costly._pause_left == DraftPacer.MAX_PAUSE
@@ -59,20 +56,20 @@ def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost():
 
 
 def test_the_schedule_carries_over_to_the_drafters_next_request():
-    drafter = _Timed()
-    pacer = DraftPacer(drafter)
+    record = Pacing()  # the drafter's, held beside it across requests
+    pacer = DraftPacer(CURVE, record)
     pacer.plain_s = 0.1
     drafting_steps(pacer, 4 + 60, step_s=0.15, emitted=1)  # a 100-step pause, 40 of it left
-    pacer.remember(drafter)
-    assert drafter.pacing == 40
-    following = DraftPacer(drafter)  # the next request goes on with what was left
+    pacer.remember()
+    assert record.pause_left == 40
+    following = DraftPacer(CURVE, record)  # the next request goes on with what was left
     assert drafting_steps(following, 40 + 1, step_s=0.15, emitted=1) == [False] * 40 + [True]
-    DraftPacer(drafter, enabled=False).remember(drafter)  # an unpaced request leaves the schedule alone
-    assert drafter.pacing == 40
+    DraftPacer(CURVE, record, enabled=False).remember()  # an unpaced request leaves the schedule alone
+    assert record.pause_left == 40
 
 
 def test_a_disabled_pacer_never_pauses():
-    pacer = DraftPacer(_Timed(), enabled=False)
+    pacer = DraftPacer(CURVE, Pacing(), enabled=False)
     assert all(drafting_steps(pacer, 40, step_s=1.0, emitted=1)) and pacer.paused_steps == 0
 
 
@@ -96,12 +93,29 @@ def test_paused_drafting_emits_what_plain_decoding_does():
 
 
 class SelfPacedSlowDrafter(SlowRandomDrafter):
-    paces_itself = True
+    """Registered with paces_itself=True below."""
 
 
 def test_the_loop_leaves_a_self_paced_drafter_alone():
+    register_drafter("self-paced-slow", paces_itself=True)(SelfPacedSlowDrafter)
+    try:
+        target = without_eos(make_tiny_target("llama"))
+        drafter, record = SelfPacedSlowDrafter(target), Pacing()
+        tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 24, pacing=record)
+        assert list(tokens) == hf_greedy(target, PROMPT, 24, eos=-1)
+        assert stats.paused_steps == 0 and record.pause_left == 0
+    finally:
+        unregister_drafter("self-paced-slow")
+
+
+def test_the_record_beside_the_drafter_carries_a_pause_to_its_next_request():
     target = without_eos(make_tiny_target("llama"))
-    drafter = SelfPacedSlowDrafter(target)
-    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 24)
-    assert list(tokens) == hf_greedy(target, PROMPT, 24, eos=-1)
-    assert stats.paused_steps == 0 and drafter.pacing is None
+    drafter, record = SlowRandomDrafter(target), Pacing()  # as SelfSpec holds them: the record beside the drafter
+    _, first = speculative_generate(target, drafter, torch.tensor(PROMPT), 24, pacing=record)
+    assert first.paused_steps > 0 and record.pause_left > 0  # the pause outlasted the request
+    attributes = dict(vars(drafter))
+    _, second = speculative_generate(target, drafter, torch.tensor(PROMPT), 24, pacing=record)
+    assert second.paused_steps == second.target_forwards and set(second.tree_sizes) == {1}  # still paused
+    assert vars(drafter).keys() == attributes.keys() and not hasattr(drafter, "pacing")  # nothing written on it
+    _, fresh = speculative_generate(target, drafter, torch.tensor(PROMPT), 24)  # no record: nothing carried over
+    assert fresh.tree_sizes[0] > 1

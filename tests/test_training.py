@@ -144,7 +144,7 @@ def test_whole_recipe_on_a_tiny_checkpoint(tmp_path, tiny_checkpoint, fake_share
     target = load_target(str(tiny_checkpoint))
     drafter = create_drafter("medusa", target, heads_dir)
     prompt = target.encode_prompt("the cat sat on")[0].tolist()
-    target._eos = ()
+    target = target.with_eos(())
     tokens, _ = speculative_generate(target, drafter, torch.tensor(prompt), 20)
     assert list(tokens) == hf_greedy(target, prompt, 20, eos=-1)
 
@@ -166,7 +166,7 @@ def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_
     assert create_drafter("medusa", adapted, heads_dir).target is adapted  # the adapted model is not adapted twice
     again = create_drafter("medusa", target, heads_dir).target  # the original again: a copy adapted the same way
     assert torch.equal(again.model.state_dict()[changed[0]], adapted.model.state_dict()[changed[0]])
-    adapted._eos = ()
+    adapted = adapted.with_eos(())
     prompt = target.encode_prompt("the dog ran")[0].tolist()
     tokens, _ = speculative_generate(adapted, drafter, torch.tensor(prompt), 16)
     assert list(tokens) == hf_greedy(adapted, prompt, 16, eos=-1)

@@ -19,6 +19,7 @@ from ..decoding import speculative_generate
 from ..heads import create_drafter, parse_drafter_options
 from ..heads.artifacts import heads_kind
 from ..models import Target
+from ..pacing import Pacing
 from ..sampling import SamplingConfig
 from .metrics import RunRecord
 from .prompts import PromptItem
@@ -35,7 +36,7 @@ class BenchSettings:
     seed: int = 0
     prompt_lookup_tokens: int = 10  # HF's own default draft length for prompt lookup
     early_exit_layer: int | None = None  # None: half the target's layers
-    pace: bool = True  # the decoding loop pauses drafting that does not pay (selfspec.decoding.DraftPacer)
+    pace: bool = True  # the decoding loop pauses drafting that does not pay (selfspec.pacing.DraftPacer)
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,15 @@ def _hf_method(target: Target, settings: BenchSettings, **generate_kwargs) -> Me
 
 def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings, heads: Path | None) -> Method:
     drafter = create_drafter(drafter_spec, target, heads)
+    pacing = Pacing()  # the drafter's record across the prompts, as SelfSpec keeps one
     sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
-        before = dict(getattr(drafter, "accepted_by_source", {}))
+        before = drafter.stats()
         # Verified on the drafter's target: Medusa-2 heads draft for (and decode) an adapted copy of the shared one.
         tokens, stats = speculative_generate(drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed,
-                                             pace=settings.pace)
-        by_source = tuple((name, count - before.get(name, 0)) for name, count in getattr(drafter, "accepted_by_source", {}).items())
+                                             pace=settings.pace, pacing=pacing)
+        by_source = tuple((drafter.stats().accepted_since(before) or {}).items())
         return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes, by_source)
 
     return run

@@ -11,7 +11,7 @@ recipe ("module:function", imported only by the training pipeline, so heads/ nev
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -21,8 +21,9 @@ from ..cost import CostCurve, target_cost_curve
 from ..errors import SelfspecError
 from ..models import Target
 from ..options import format_option, from_dict, parse_drafter_spec
+from ..pacing import Pacing
 from ..sampling import SamplingConfig
-from ..tree_attention import DraftTree, VerifyResult
+from ..tree_attention import DraftTree
 
 
 @dataclass(frozen=True)
@@ -33,20 +34,64 @@ class DraftRequest:
     max_depth: int  # deepest node the loop can use (max_new_tokens and context budget); 0 means no draft
     sampling: SamplingConfig
     generator: torch.Generator | None  # draw any random draft tokens from this, so runs are reproducible
-    pace: bool = True  # False: skip nothing for cost (acceptance is measured, or a run must be reproducible)
+    # The drafter's pacing record (selfspec.pacing): `paced` False means skip nothing for cost (acceptance is
+    # measured, or a run must be reproducible). Read verdicts and add timings there; keep no reference to it.
+    pacing: Pacing = field(default_factory=Pacing)
 
 
 @dataclass(frozen=True)
 class Observation:
-    """What the drafter learns after the prefill (result is None) or after a verified step."""
+    """What the drafter learns after the prefill (`tree` is None) or after a verified step: the committed tokens, the
+    target's hidden states at them, and the drafter's own tree with the part of it the target accepted. (A source of
+    `auto` sees its own tree, whichever source's path won; the verifier's result itself is the loop's.)"""
 
     new_tokens: tuple[int, ...]  # tokens just committed (after the prefill: the whole prompt)
     hidden: dict[int, torch.Tensor]  # layer -> [m, H] at the forwarded committed positions (see below)
-    result: VerifyResult | None  # the step's verification, None after the prefill
-    tree: DraftTree | None  # the tree that was verified, None after the prefill
-    # hidden rows: after the prefill, the prompt minus its last token; after a step, the accepted path's nodes
-    # (root first). The target's extra token is never forwarded in the step that produced it.
-    forward_s: float = 0.0  # seconds the target took to verify the tree (its forward and the verifier); 0 if unknown
+    tree: DraftTree | None = None  # the drafter's tree (root only where it drafted nothing); None after the prefill
+    accepted_path: tuple[int, ...] = ()  # nodes of `tree` the target accepted, root (0) first; () after the prefill
+    pacing: Pacing = field(default_factory=Pacing)  # the drafter's pacing record, as in its DraftRequest
+    # hidden rows: after the prefill, the prompt minus its last token; after a step, the verified tree's accepted
+    # path's nodes (root first). The target's extra token is never forwarded in the step that produced it.
+
+    @property
+    def accepted_tokens(self) -> tuple[int, ...]:
+        """The drafted tokens of `tree` the target accepted: the step's committed tokens start with them."""
+        if self.tree is None:
+            return ()
+        tokens = self.tree.token_list
+        return tuple(tokens[node] for node in self.accepted_path[1:])
+
+    @property
+    def reached_leaf(self) -> bool:
+        """Every drafted token down one branch of `tree` was accepted (the target's token after it is a bonus token
+        in the verifier's terms, not a correction)."""
+        return self.tree is not None and not self.tree.children(self.accepted_path[-1])
+
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """What a drafter reports about itself beyond the loop's GenerationStats (`Drafter.stats()`); a field a drafter
+    has nothing to say about keeps its neutral default. Counts run over the drafter's life: the difference of two
+    reports is what happened between them."""
+
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # composite drafters (auto): accepted draft tokens
+    left_out: dict[str, str] = field(default_factory=dict)  # composite drafters: default sources not loaded, and why
+    tree_nodes: int | None = None  # the tree size its trained parts fixed (Medusa's tree); None where it varies
+    # The mean accepted length its trained parts reached on held-out prompts when they were trained (their training
+    # report); None where unknown or where nothing was trained.
+    heldout_tau: float | None = None
+
+    def accepted_since(self, before: "DrafterStats") -> dict[str, int] | None:
+        """Accepted draft tokens by source since `before` (an earlier report), or None for a drafter that does not count
+        them by source."""
+        earlier = before.accepted_by_source
+        return {name: count - earlier.get(name, 0) for name, count in self.accepted_by_source.items()} or None
+
+    def contributions(self) -> str:
+        """Accepted draft tokens by source (a token two sources proposed counts for both), then the default sources
+        left out and why; empty for a drafter without sources."""
+        counts = " ".join(f"{name}={count}" for name, count in self.accepted_by_source.items())
+        return counts + "".join(f"; {name} left out ({why})" for name, why in self.left_out.items())
 
 
 @dataclass(frozen=True)
@@ -61,60 +106,11 @@ def check_at_least_one(drafter: str, options) -> None:
         raise SelfspecError(f"{drafter}: {', '.join(bad)} must be >= 1")
 
 
-class AcceptanceCalibration:
-    """How a drafter's own estimate of the draft tokens the target will accept compares with what the verifier
-    accepts, over the recent steps of one request: `factor` = accepted / expected (decayed sums). Drafters scale
-    their node gains by it before sizing a tree, so an overconfident head proposes smaller trees, down to none when
-    drafting does not pay; steps without a draft drift the factor back toward 1, so drafting can start again."""
-
-    DECAY = 0.9  # weight of history per drafted step
-    RECOVERY = 0.05  # per step without a draft, the share of the gap to a factor of 1 closed
-    PRIOR = 2.0  # expected (and accepted) draft tokens the estimate starts from: a factor of 1
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.accepted = self.expected = self.PRIOR
-        self.pending = 0.0  # expected accepted tokens of the tree just proposed
-
-    @property
-    def factor(self) -> float:
-        return self.accepted / self.expected
-
-    def scaled(self, gains: list[float]) -> list[float]:
-        """Gains as calibrated acceptance chances (at most 1 each)."""
-        factor = self.factor
-        return [min(1.0, gain * factor) for gain in gains]
-
-    def proposed(self, gains: list[float]) -> None:
-        """The uncalibrated gains of the nodes just proposed."""
-        self.pending = sum(gains)
-
-    def verified(self, result: VerifyResult | None) -> None:
-        if result is None:
-            return
-        if self.pending > 0:
-            self.accepted = self.DECAY * self.accepted + len(result.accepted_tokens)
-            self.expected = self.DECAY * self.expected + self.pending
-        else:
-            self.accepted += self.RECOVERY * (self.expected - self.accepted)
-        self.pending = 0.0
-
-
 class Drafter(ABC):
     """Base class. Subclasses set `hidden_layers` if they need target hidden states in `observe`."""
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()  # indices into the target's hidden_states; -1 is the LM head's input
-    # The decoding loop's pacing of this drafter, carried from one request to the next: steps of pause left (None
-    # before its first request). See selfspec.decoding.DraftPacer.
-    pacing: int | None = None
-    # True for a drafter that weighs its own drafting cost (`auto` paces each source): the loop does not pause it.
-    paces_itself: ClassVar[bool] = False
-    # The mean accepted length the drafter's trained parts reached on held-out prompts when they were trained (their
-    # training report); None where unknown or where nothing was trained.
-    heldout_tau: float | None = None
 
     def __init__(self, target: Target, cost_curve: CostCurve, options=None):
         self.target = target
@@ -147,6 +143,11 @@ class Drafter(ABC):
     def observe(self, observation: Observation) -> None:
         """Update the drafter's own state (its caches, its window of hidden states, its statistics)."""
 
+    def stats(self) -> DrafterStats:
+        """What the drafter reports about itself (accepted tokens by source, its fixed tree size, ...); the neutral
+        report unless a drafter has something to say."""
+        return DrafterStats()
+
 
 @dataclass(frozen=True)
 class DrafterEntry:
@@ -156,6 +157,9 @@ class DrafterEntry:
     config_cls: type | None  # the config of its trained heads or tuned data; None = parameter-free
     recipe: str | None  # "module:function" of its training recipe, None = not trainable with `selfspec train`
     composite: bool = False  # drafts through other registered drafters (its sources), e.g. `auto`
+    # Weighs its own drafting cost (its draft length follows its measured acceptance, or it paces its sources): the
+    # loop's DraftPacer does not pause it (selfspec.pacing).
+    paces_itself: bool = False
 
     @property
     def has_artifacts(self) -> bool:
@@ -166,14 +170,14 @@ class DrafterEntry:
 _REGISTRY: dict[str, DrafterEntry] = {}
 
 
-def register_drafter(name: str, options: type = NoOptions, config: type | None = None,
-                     recipe: str | None = None, composite: bool = False) -> Callable[[type[Drafter]], type[Drafter]]:
+def register_drafter(name: str, options: type = NoOptions, config: type | None = None, recipe: str | None = None,
+                     composite: bool = False, paces_itself: bool = False) -> Callable[[type[Drafter]], type[Drafter]]:
     def decorate(cls: type[Drafter]) -> type[Drafter]:
         if name in _REGISTRY and _REGISTRY[name].drafter_cls is not cls:
             raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].drafter_cls.__name__}")
         options()  # fail at registration, not at first use, if an options field lacks a default
         cls.name = name
-        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite)
+        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite, paces_itself)
         return cls
 
     return decorate
@@ -186,6 +190,13 @@ def unregister_drafter(name: str) -> None:
 
 def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def paces_itself(drafter: Drafter) -> bool:
+    """Whether the loop leaves the drafter's pacing to it (its registration says so; an unregistered drafter is paced
+    by the loop)."""
+    entry = _REGISTRY.get(drafter.name)
+    return entry is not None and entry.paces_itself
 
 
 def drafter_entry(name: str) -> DrafterEntry:

@@ -17,7 +17,7 @@ the original model; the decoding loop verifies a drafter's trees on `drafter.tar
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from ..errors import SelfspecError, first_line
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import ADAPTER, LoadedHead
-from .base import DraftRequest, Observation, check_at_least_one, register_drafter
+from .base import DraftRequest, DrafterStats, Observation, check_at_least_one, register_drafter
 from .vocab import ReducedVocabHead, VocabHeadDrafter
 
 
@@ -156,6 +156,9 @@ class MedusaDrafter(VocabHeadDrafter):
             target = adapted_target(target, loaded.directory / ADAPTER)
         return cls(target, cost_curve, loaded.head, loaded.data.get("tree", {}), options)
 
+    def stats(self) -> DrafterStats:
+        return replace(super().stats(), tree_nodes=self.tree_nodes)
+
     def reset(self) -> None:
         self.last_hidden: torch.Tensor | None = None  # [H]: the state whose LM-head output was the next root
         self.calibration.reset()
@@ -202,8 +205,9 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
                 for weight in module.get_base_layer().parameters(recurse=False):
                     weight.data = weight.data.clone()
     model = adapted.merge_and_unload()
-    return Target(model=model, tokenizer=target.tokenizer, name=target.name, _eos=target._eos, adapters=[key],
-                  kernels=target.kernels)
+    adapted_target = Target(model=model, tokenizer=target.tokenizer, name=target.name, adapters=[key],
+                            kernels=target.kernels)
+    return adapted_target.with_eos(target.eos_token_ids)
 
 
 def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -24,7 +24,8 @@ from ..execution import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import HeadArtifact, LoadedHead, load_vocab_head
-from .base import AcceptanceCalibration, Drafter, Observation, drafter_entry
+from ..pacing import AcceptanceCalibration
+from .base import Drafter, DrafterStats, Observation, drafter_entry
 from .speculators import load_imported, speculators_type
 
 
@@ -92,6 +93,9 @@ class VocabHeadDrafter(Drafter):
     # The kinds with a speculators format (eagle3, dflash): their reader of a speculators directory, which `load` takes
     # as well as a heads directory. None: heads directories only.
     speculators_import: ClassVar[Callable[[Target, Path], HeadArtifact] | None] = None
+    # The mean accepted length the head reached on held-out prompts when it was trained (its training report, read by
+    # `load`); None where unknown (imported heads, heads without a report).
+    heldout_tau: float | None = None
 
     def __init__(self, target: Target, cost_curve: CostCurve, head: ReducedVocabHead, options):
         super().__init__(target, cost_curve, options)
@@ -99,6 +103,9 @@ class VocabHeadDrafter(Drafter):
         self.head.pack_for(target.execution)
         self.calibration = AcceptanceCalibration()
         self.set_budget(options, head.config)
+
+    def stats(self) -> DrafterStats:
+        return DrafterStats(heldout_tau=self.heldout_tau)
 
     def set_budget(self, options, config) -> None:
         """`top_k`, `max_nodes` (root included) and `fixed_nodes` from EAGLE's and DFlash's options, None = the head's
@@ -142,4 +149,5 @@ class VocabHeadDrafter(Drafter):
 
     def calibrate(self, observation: Observation) -> None:
         """Subclasses call this first in observe()."""
-        self.calibration.verified(observation.result)
+        if observation.tree is not None:  # not the prefill
+            self.calibration.verified(len(observation.accepted_path) - 1)

@@ -52,7 +52,7 @@ def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dic
         "prompts": len(chosen),
         "max_new_tokens": config.eval.max_new_tokens,
         "mean_accepted_length": round(sum(lengths) / max(1, len(lengths)), 3),
-        "tree_nodes": getattr(drafter_instance, "tree_nodes", None),
+        "tree_nodes": drafter_instance.stats().tree_nodes,
         "per_prompt": per_prompt,
     }
 

@@ -185,7 +185,7 @@ class EagleDrafter(VocabHeadDrafter):
         hidden = self.head.gather_features(observation.hidden)
         # Pairs (true feature of position j - 1, token j): after the prefill j = 1 .. L - 1 (rows = prompt[:-1]);
         # after a step the accepted path's rows pair with the tokens just committed.
-        tokens = observation.new_tokens[1:] if observation.result is None else observation.new_tokens
+        tokens = observation.new_tokens[1:] if observation.tree is None else observation.new_tokens
         if hidden.shape[0] == 0:
             return
         count = min(hidden.shape[0], len(tokens))

@@ -7,18 +7,19 @@ rate; where it is unsure it can add its top-2 token as a sibling leaf. Its KV ca
 for the committed tokens and the chain it drafted; after verification it is cut back to what was committed.
 
 A draft token costs a forward through most of the target, so the drafter times its own one-token forwards against
-the target's plain step (`DraftCost`): where one costs a whole plain step or more, no draft token can pay for itself
-(it is accepted at most once), and it stops drafting for good (`dormant`) instead of paying probes forever.
+the target's plain step (`selfspec.pacing.DraftCost`, kept in the drafter's pacing record, not on the drafter): where
+one costs a whole plain step or more, no draft token can pay for itself (it is accepted at most once), and it stops
+drafting for good (`dormant`) instead of paying probes forever.
 
 Skip sets are data: `selfspec tune layerskip` searches them (Optuna) and writes a JSON file keyed by the model's
 fingerprint, which this drafter finds by itself. `skip=every-other` uses the hand-made baseline instead.
 
-Modules: config.py (settings, options, the skip plan), forward.py (the skipping forward), drafter.py (the drafter
-and its draft-cost verdict), skip_file.py (tuned skip sets on disk).
+Modules: config.py (settings, options, the skip plan), forward.py (the skipping forward), drafter.py (the drafter),
+skip_file.py (tuned skip sets on disk).
 """
 
 from .config import LayerSkipOptions, LayerSkipSettings, SkipPlan, every_other_layer
-from .drafter import DraftCost, LayerSkipDrafter
+from .drafter import LayerSkipDrafter
 from .forward import SkippingForward
 from .skip_file import (
     TunedSkipSet,
@@ -30,7 +31,6 @@ from .skip_file import (
 )
 
 __all__ = [
-    "DraftCost",
     "LayerSkipDrafter",
     "LayerSkipOptions",
     "LayerSkipSettings",

@@ -1,5 +1,6 @@
-"""The `layerskip` drafter: an adaptive chain (and top-2 leaves) from the skipping forward, and what a draft token
-costs against a plain target step."""
+"""The `layerskip` drafter: an adaptive chain (and top-2 leaves) from the skipping forward. What a draft token costs
+against a plain target step is pacing's (selfspec.pacing.DraftCost, in the drafter's pacing record): the drafter times
+its one-token forwards there and stops drafting while the record says it can never pay (`dormant`)."""
 
 from __future__ import annotations
 
@@ -20,46 +21,6 @@ from .forward import SkippingForward
 from .skip_file import find_skip_file, load_skip_file
 
 
-class DraftCost:
-    """What one draft token costs on this machine and path, in plain target steps: running means of the drafter's
-    one-token forwards (seconds) and of the target's plain step (its verification forward scaled down by the cost
-    curve). A property of the machine, not of a request: it is kept across requests."""
-
-    MIN_SAMPLES = 4  # one-token draft forwards timed before any verdict
-    DECAY = 0.8  # weight of the older timings
-
-    def __init__(self) -> None:
-        self.draft_s: float | None = None
-        self.plain_s: float | None = None
-        self.samples = 0
-
-    @classmethod
-    def _mean(cls, old: float | None, new: float) -> float:
-        return new if old is None else cls.DECAY * old + (1 - cls.DECAY) * new
-
-    def drafted(self, seconds: float, forwards: int) -> None:
-        if forwards > 0:
-            self.draft_s = self._mean(self.draft_s, seconds / forwards)
-            self.samples += forwards
-
-    def verified(self, forward_s: float, relative_cost: float) -> None:
-        if forward_s > 0:
-            self.plain_s = self._mean(self.plain_s, forward_s / relative_cost)
-
-    @property
-    def steps_per_token(self) -> float | None:
-        """One draft forward in plain target steps; None until measured."""
-        if self.draft_s is None or self.plain_s is None or self.samples < self.MIN_SAMPLES:
-            return None
-        return self.draft_s / self.plain_s
-
-    @property
-    def dormant(self) -> bool:
-        """A draft forward costs a plain step or more: even a token that is always accepted does not pay for it."""
-        cost = self.steps_per_token
-        return cost is not None and cost >= 1.0
-
-
 @register_drafter("layerskip", options=LayerSkipOptions, config=LayerSkipSettings)
 class LayerSkipDrafter(Drafter):
     def __init__(self, target: Target, cost_curve: CostCurve, settings: LayerSkipSettings,
@@ -68,7 +29,6 @@ class LayerSkipDrafter(Drafter):
         self.settings = settings
         self.adaptive = options.adaptive
         self.forward = SkippingForward(target, SkipPlan.from_settings(settings, target.config.num_hidden_layers), draft_vocab)
-        self.draft_cost = DraftCost()  # kept across requests
         self.reset()
 
     @classmethod
@@ -94,14 +54,12 @@ class LayerSkipDrafter(Drafter):
         self.drafted = 0  # chain length drafted in the last proposal
 
     def observe(self, observation: Observation) -> None:
-        if observation.result is None:
+        if observation.tree is None:  # the prefill
             self.committed = list(observation.new_tokens)
         else:
             self.committed.extend(observation.new_tokens)
-            if observation.tree is not None and observation.tree.size > 1:  # a step it drafted for
-                self._adapt(len(observation.result.accepted_path) - 1)
-            if observation.tree is not None:
-                self.draft_cost.verified(observation.forward_s, self.cost_curve.cost(observation.tree.size))
+            if observation.tree.size > 1:  # a step it drafted for
+                self._adapt(len(observation.accepted_path) - 1)
         # Keep the draft KV of the longest prefix the committed text shares with what the draft cache holds.
         keep = 0
         for cached_token, committed_token in zip(self.cached, self.committed):
@@ -131,11 +89,11 @@ class LayerSkipDrafter(Drafter):
     def propose(self, request: DraftRequest) -> DraftTree:
         self.drafted = 0
         limit = min(self.settings.max_draft, request.max_depth)
-        if limit <= 0 or (request.pace and self.draft_cost.dormant):
+        if limit <= 0 or request.pacing.dormant:
             return DraftTree.root_only(request.root_token)
         tokens, parents = [request.root_token], [-1]
         chain_node = 0  # the deepest chain node so far; sibling leaves are never continued
-        single_start, singles = 0.0, 0  # the one-token draft forwards after the catch-up, timed (DraftCost)
+        single_start, singles = 0.0, 0  # the one-token draft forwards after the catch-up, timed (pacing.DraftCost)
         with torch.inference_mode():
             logits = self._draft_logits(self.committed[len(self.cached):])  # the root, and any token not yet seen
             for depth in range(1, limit + 1):
@@ -158,5 +116,5 @@ class LayerSkipDrafter(Drafter):
                     break
                 logits = self._draft_logits([top_ids[0]])
                 singles += 1
-        self.draft_cost.drafted(time.perf_counter() - single_start, singles)
+        request.pacing.draft_cost.drafted(time.perf_counter() - single_start, singles)
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))

@@ -40,7 +40,7 @@ class HistoryOptions(NgramOptions):
             raise SelfspecError(f"history: max_tokens must be >= 1, got {self.max_tokens}")
 
 
-@register_drafter("history", options=HistoryOptions)
+@register_drafter("history", options=HistoryOptions, paces_itself=True)  # as ngram does
 class HistoryDrafter(NgramDrafter):
     def __init__(self, target: Target, cost_curve: CostCurve, options: HistoryOptions = HistoryOptions()):
         self.max_tokens = options.max_tokens
@@ -52,7 +52,7 @@ class HistoryDrafter(NgramDrafter):
         """The request just served joins the history; the acceptance estimate starts again from the prior."""
         self._remember(self.request_tokens)
         self.request_tokens = []
-        self._reset_acceptance()
+        self.acceptance_estimate.reset()
 
     def _remember(self, tokens: list[int]) -> None:
         if not tokens:

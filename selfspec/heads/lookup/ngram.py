@@ -13,11 +13,11 @@ from typing import ClassVar
 from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target
+from ...pacing import AcceptanceCalibration
 from ...tree_attention import DraftTree
 from ..base import DraftRequest, Drafter, Observation, register_drafter
 
-_DECAY = 0.9  # weight of history in the running acceptance estimate
-_RECOVERY = 0.05  # per step without a draft, the share of the gap to the prior the estimate closes
+_PRIOR_WEIGHT = 4.0  # drafted tokens the prior acceptance estimate is worth
 
 
 @dataclass(frozen=True)
@@ -74,27 +74,23 @@ class TokenIndex:
         return paths
 
 
-@register_drafter("ngram", options=NgramOptions)
+# It paces itself: its draft length already follows its measured acceptance on the cost curve (0 when drafting would
+# not pay), and a lookup is a dict access: the loop's probe-and-pause would only miss the stretches it copies.
+@register_drafter("ngram", options=NgramOptions, paces_itself=True)
 class NgramDrafter(Drafter):
-    # Its draft length already follows its measured acceptance on the cost curve (0 when drafting would not pay), and
-    # a lookup is a dict access: the loop's probe-and-pause would only miss the stretches it copies.
-    paces_itself = True
 
     def __init__(self, target: Target, cost_curve: CostCurve, options: NgramOptions = NgramOptions()):
         super().__init__(target, cost_curve, options)
         self.ngram_sizes = tuple(range(options.max_ngram, options.min_ngram - 1, -1))  # longest first
         self.max_candidates = options.max_candidates
         self.max_draft = options.max_draft
-        self.prior_acceptance = options.prior_acceptance
+        # The chance a drafted token is accepted: accepted tokens over those tried (AcceptanceCalibration).
+        self.acceptance_estimate = AcceptanceCalibration(options.prior_acceptance, _PRIOR_WEIGHT)
         self.reset()
 
     def reset(self) -> None:
         self.lookup = TokenIndex(self.ngram_sizes)  # the request's tokens so far, indexed
-        self._reset_acceptance()
-
-    def _reset_acceptance(self) -> None:
-        self.accepted_weight = self.prior_acceptance * 4
-        self.attempted_weight = 4.0
+        self.acceptance_estimate.reset()
 
     @property
     def context(self) -> list[int]:
@@ -103,7 +99,7 @@ class NgramDrafter(Drafter):
 
     @property
     def acceptance(self) -> float:
-        return self.accepted_weight / self.attempted_weight
+        return self.acceptance_estimate.factor
 
     def _append(self, tokens: tuple[int, ...]) -> None:
         self.lookup.extend(tokens)
@@ -125,14 +121,11 @@ class NgramDrafter(Drafter):
         return tree
 
     def observe(self, observation: Observation) -> None:
-        if observation.result is not None and observation.tree is not None and observation.tree.size > 1:
-            accepted = len(observation.result.accepted_tokens)
-            attempted = accepted + (0 if observation.result.is_bonus else 1)
-            self.accepted_weight = _DECAY * self.accepted_weight + accepted
-            self.attempted_weight = _DECAY * self.attempted_weight + attempted
-        elif observation.result is not None:
+        if observation.tree is not None and observation.tree.size > 1:
+            accepted = len(observation.accepted_path) - 1
+            self.acceptance_estimate.record(accepted, accepted + (0 if observation.reached_leaf else 1))
+        elif observation.tree is not None:
             # No draft, no evidence: drift back toward the prior. Otherwise one bad stretch below break-even would
             # switch drafting off for good (a chain length of 0 is never measured again).
-            target = self.prior_acceptance * self.attempted_weight
-            self.accepted_weight += _RECOVERY * (target - self.accepted_weight)
+            self.acceptance_estimate.drift()
         self._append(observation.new_tokens)

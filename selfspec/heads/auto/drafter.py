@@ -1,0 +1,145 @@
+"""`auto`'s options and the drafter: each step, ask the sources, merge, keep what pays; after it, each source
+observes its own view of the step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ...cost import CostCurve
+from ...errors import SelfspecError
+from ...models import Target
+from ...tree_attention import DraftTree
+from ..base import DraftRequest, Drafter, DrafterStats, Observation, register_drafter
+from .merging import merge_trees, own_accepted_path, select_nodes, tree_of
+from .rates import SourceRates
+from .sources import earned_tokens, load_sources, proposers
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    # e.g. ngram+eagle; None: the default sources (sources.DEFAULT_SOURCES: the lookups, ngram and history, and the
+    # trained heads found for the model that drafted enough on held-out prompts)
+    sources: tuple[str, ...] | None = None
+    max_nodes: int = 48  # the merged tree's node budget (the cost curve usually picks fewer)
+    prior_weight: float = 2.0  # pseudo-observations behind each acceptance estimate's prior
+
+    def __post_init__(self) -> None:
+        if self.sources is not None:
+            names = (self.sources,) if isinstance(self.sources, str) else tuple(self.sources)
+            if not names or len(set(names)) != len(names) or "auto" in names or "none" in names:
+                raise SelfspecError(f"auto: sources must be distinct drafters other than auto and none, got {'+'.join(names)}")
+            object.__setattr__(self, "sources", names)
+        if self.max_nodes < 2:
+            raise SelfspecError("auto: max_nodes must be >= 2")
+        if self.prior_weight <= 0:
+            raise SelfspecError("auto: prior_weight must be > 0")
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    """One asked source's part in the step."""
+
+    tree: DraftTree
+    merged: list[int]  # the source's node index -> the merged tree's node index (-1 where pruned)
+    seconds: float  # its propose() time
+
+
+# It paces itself: per source (pacing.SourcePacing, in each source's own record), so the loop does not pause it whole.
+@register_drafter("auto", options=AutoOptions, composite=True, paces_itself=True)
+class AutoDrafter(Drafter):
+    """One tree a step from its sources (the package docstring says how); `sources` are drafters it loaded."""
+
+    def __init__(self, target: Target, cost_curve: CostCurve, options: AutoOptions, sources: dict[str, Drafter],
+                 left_out: dict[str, str] | None = None):
+        super().__init__(target, cost_curve, options)
+        if not sources:
+            raise SelfspecError("auto: no source drafter could be loaded")
+        self.sources = sources
+        self.hidden_layers = tuple(sorted({layer for source in sources.values() for layer in source.hidden_layers}))
+        self.accepted_by_source: dict[str, int] = {name: 0 for name in sources}  # over the drafter's life
+        self.left_out = dict(left_out or {})  # default sources not loaded, and why
+        # The acceptance estimates start afresh each request, from the source's record over the earlier ones (bounded:
+        # see SourceRates). Whether a source pays is pacing's, in the source's own record (Pacing.source).
+        self.max_depth = options.max_nodes - 1  # of the merged tree, so of any node a source gets verified
+        self.lifetime_rates = {name: SourceRates(options.prior_weight, self.max_depth) for name in sources}
+        self.reset()
+
+    @classmethod
+    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: AutoOptions) -> "AutoDrafter":
+        """The sources, each with its default options (sources.load_sources: which join, and where `heads_dir` goes)."""
+        sources, left_out = load_sources(target, heads_dir, cost_curve, options.sources)
+        return cls(target, cost_curve, options, sources, left_out)
+
+    @property
+    def cost_curve(self) -> CostCurve:
+        return self._cost_curve
+
+    @cost_curve.setter
+    def cost_curve(self, curve: CostCurve) -> None:
+        """The merged tree and every source's own tree are sized on the same curve."""
+        self._cost_curve = curve
+        for source in getattr(self, "sources", {}).values():
+            source.cost_curve = curve
+
+    def reset(self) -> None:
+        for source in self.sources.values():
+            source.reset()
+        self.rates = {name: SourceRates(self.options.prior_weight, self.max_depth, self.lifetime_rates[name])
+                      for name in self.sources}
+        self.proposals: dict[str, _Proposal] = {}
+
+    def stats(self) -> DrafterStats:
+        """Accepted draft tokens by source over the drafter's life, and the default sources left out."""
+        return DrafterStats(accepted_by_source=dict(self.accepted_by_source), left_out=dict(self.left_out))
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        self.proposals = {}
+        if request.max_depth <= 0:
+            return DraftTree.root_only(request.root_token)
+        trees, seconds = {}, {}
+        for name, source in self.sources.items():
+            own = request.pacing.source(name)
+            if own.ask():
+                start = time.perf_counter()
+                trees[name] = source.propose(replace(request, pacing=own))
+                seconds[name] = time.perf_counter() - start
+        paths, scores, node_paths = merge_trees(request.root_token, trees, self.rates)
+        kept = [()] + select_nodes(paths, scores, self.cost_curve, self.options.max_nodes)
+        index_of = {path: i for i, path in enumerate(kept)}
+        for name, tree in trees.items():
+            merged = [index_of.get(path, -1) for path in node_paths[name]]
+            self.proposals[name] = _Proposal(tree, merged, seconds[name])
+        return tree_of(request.root_token, kept)
+
+    def observe(self, observation: Observation) -> None:
+        """Every source observes the step with its own tree and the part of the accepted path that lay in it (the
+        tokens and hidden states are what was committed); a source not asked this step, with a root-only tree."""
+        pacing = observation.pacing
+        if observation.tree is None:  # the prefill
+            for name, source in self.sources.items():
+                source.observe(replace(observation, pacing=pacing.source(name)))
+            return
+        accepted = set(observation.accepted_path)
+        proposed_by = proposers(proposal.merged for proposal in self.proposals.values())
+        for name, source in self.sources.items():
+            own, proposal = pacing.source(name), self.proposals.get(name)
+            if proposal is None:
+                tree, own_path = DraftTree.root_only(observation.tree.token_list[0]), (0,)
+            else:
+                tree, own_path = proposal.tree, own_accepted_path(proposal.tree, proposal.merged, accepted)
+                self.accepted_by_source[name] += len(own_path) - 1
+                self._learn(name, proposal, own_path)
+                own.earned(earned_tokens(accepted, proposal.merged, proposed_by), proposal.seconds)
+            source.observe(Observation(observation.new_tokens, observation.hidden, tree, own_path, own))
+        self.proposals = {}
+
+    def _learn(self, name: str, proposal: _Proposal, own_path: tuple[int, ...]) -> None:
+        """Each node of the source's tree whose parent was accepted was tried: count it, and whether it was accepted
+        (only nodes that made it into the verified tree could be)."""
+        tree, rates, on_path = proposal.tree, self.rates[name], set(own_path)
+        for parent in own_path:
+            for rank, child in enumerate(tree.children(parent)):
+                if proposal.merged[child] >= 0:
+                    rates.record(tree.depth_list[child], rank, child in on_path)
