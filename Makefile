@@ -59,4 +59,6 @@ speculators: $(VENV)/.installed
 	@$(MAKE) --no-print-directory $(SPEC_VENV)/.installed || echo "speculators did not install: its format test will skip"
 
 test: $(VENV)/.installed browser speculators
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n 2 --dist worksteal -q tests

@@ -69,11 +69,18 @@ def main(argv: list[str] | None = None) -> None:
 
     def measure(name: str, heads_dir: Path, sequences: int, tokens: int, steps: int, train_s: float | None) -> None:
         head = create_drafter("dflash", target, heads_dir).head.float()
-        row = {"drafter": name, "sequences": sequences, "learnable_tokens": tokens, "steps": steps,
-               "train_s": None if train_s is None else round(train_s, 1)}
+        row = {
+            "drafter": name,
+            "sequences": sequences,
+            "learnable_tokens": tokens,
+            "steps": steps,
+            "train_s": None if train_s is None else round(train_s, 1),
+        }
         for dataset, rows in evaluation.items():
-            row[dataset] = {"chain": dflash_chain_accuracy(target, head, rows),
-                            "tau": mean_tau(target, heads_dir, rows, config.eval.max_new_tokens)}
+            row[dataset] = {
+                "chain": dflash_chain_accuracy(target, head, rows),
+                "tau": mean_tau(target, heads_dir, rows, config.eval.max_new_tokens),
+            }
         results.append(row)
         print(json.dumps(row), flush=True)
 
@@ -86,21 +93,43 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(config.train.seed)
         dflash, head = new_dflash_head(target, config.dflash, layers, subset)
         began = time.perf_counter()
-        train(DFlashTraining(head, dflash), count, subset.__getitem__, dataclasses.replace(config.train, max_steps=steps),
-              out / f"checkpoints-{fraction:g}", resume=False, max_steps=steps)
+        train(
+            DFlashTraining(head, dflash),
+            count,
+            subset.__getitem__,
+            dataclasses.replace(config.train, max_steps=steps),
+            out / f"checkpoints-{fraction:g}",
+            resume=False,
+            max_steps=steps,
+        )
         spent = time.perf_counter() - began
-        heads_dir = save_head(out / f"drafter-{fraction:g}", "dflash", dflash, head.state_dict(), target.fingerprint, {})
+        heads_dir = save_head(
+            out / f"drafter-{fraction:g}", "dflash", dflash, head.state_dict(), target.fingerprint, {}
+        )
         measure(f"x{fraction:g}", heads_dir, count, learnable, steps, spent)
     if not args.train_full:
         learnable = sum(int(s.loss_mask[1:].sum()) for s in data.sample)
-        measure("x1 (the shipped drafter)", find_shipped_head(target, "dflash", DFlashConfig), data.count, learnable,
-                full_steps, None)
+        measure(
+            "x1 (the shipped drafter)",
+            find_shipped_head(target, "dflash", DFlashConfig),
+            data.count,
+            learnable,
+            full_steps,
+            None,
+        )
     (out / "scaling.json").write_text(json.dumps({"config": args.config, "rows": results}, indent=1) + "\n")
-    lines = ["| data | sequences | learnable tokens | steps | " + " | ".join(
-        f"{d} chain@1/2/4, tau" for d in evaluation) + " |", "|---|---|---|---|" + "---|" * len(evaluation)]
+    lines = [
+        "| data | sequences | learnable tokens | steps | "
+        + " | ".join(f"{d} chain@1/2/4, tau" for d in evaluation)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(evaluation),
+    ]
     for row in results:
-        lines.append(f"| {row['drafter']} | {row['sequences']} | {row['learnable_tokens']} | {row['steps']} | " + " | ".join(
-            "/".join(f"{v:.3f}" for v in row[d]["chain"]) + f", {row[d]['tau']:.2f}" for d in evaluation) + " |")
+        lines.append(
+            f"| {row['drafter']} | {row['sequences']} | {row['learnable_tokens']} | {row['steps']} | "
+            + " | ".join("/".join(f"{v:.3f}" for v in row[d]["chain"]) + f", {row[d]['tau']:.2f}" for d in evaluation)
+            + " |"
+        )
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

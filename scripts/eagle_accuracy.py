@@ -45,10 +45,16 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     (out / "accuracy.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["| heads | drafter | " + " | ".join(f"{d} chain@1/2/3" for d in evaluation) + " |",
-             "|---|---|" + "---|" * len(evaluation)]
-    lines += [f"| {row['heads']} | {row['drafter']} | " + " | ".join("/".join(f"{v:.3f}" for v in row[d]) for d in evaluation)
-              + " |" for row in rows]
+    lines = [
+        "| heads | drafter | " + " | ".join(f"{d} chain@1/2/3" for d in evaluation) + " |",
+        "|---|---|" + "---|" * len(evaluation),
+    ]
+    lines += [
+        f"| {row['heads']} | {row['drafter']} | "
+        + " | ".join("/".join(f"{v:.3f}" for v in row[d]) for d in evaluation)
+        + " |"
+        for row in rows
+    ]
     (out / "accuracy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

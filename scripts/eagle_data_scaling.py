@@ -43,10 +43,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = load_recipe(args.config, {
-        "work_dir": str(out), "out": str(out / "head-1"), "data.regenerate": False,
-        "data.conversations": args.conversations, "data.max_length": args.max_length,
-    })
+    config = load_recipe(
+        args.config,
+        {
+            "work_dir": str(out),
+            "out": str(out / "head-1"),
+            "data.regenerate": False,
+            "data.conversations": args.conversations,
+            "data.max_length": args.max_length,
+        },
+    )
     target = load_target(config.model)
     timings: dict = {}
     data = recipe_data(target, config, (-1,), timings).train
@@ -69,19 +75,31 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(config.train.seed)
         _, head = new_eagle_head(target, config.eagle, EagleHead, subset)
         began = time.perf_counter()
-        train(EagleTraining(head, config.eagle), count, subset.__getitem__, config.train,
-              out / f"checkpoints-{fraction:g}", resume=False, max_steps=args.steps)
+        train(
+            EagleTraining(head, config.eagle),
+            count,
+            subset.__getitem__,
+            config.train,
+            out / f"checkpoints-{fraction:g}",
+            resume=False,
+            max_steps=args.steps,
+        )
         spent = time.perf_counter() - began
         head.eval()
         if fraction == 1:
             save_head(out / "head-1", "eagle", config.eagle, head.state_dict(), target.fingerprint, {})
         measure(f"raw sharegpt x{fraction:g}", head, count, learnable, spent)
     (out / "scaling.json").write_text(json.dumps({"labels_s": timings.get("labels_s"), "rows": results}, indent=1))
-    lines = ["| head | sequences | learnable tokens | " + " | ".join(
-        f"{d} chain@1/2/3" for d in evaluation) + " |", "|---|---|---|" + "---|" * len(evaluation)]
+    lines = [
+        "| head | sequences | learnable tokens | " + " | ".join(f"{d} chain@1/2/3" for d in evaluation) + " |",
+        "|---|---|---|" + "---|" * len(evaluation),
+    ]
     for row in results:
-        lines.append(f"| {row['head']} | {row['sequences']} | {row['learnable_tokens']} | " + " | ".join(
-            "/".join(f"{v:.3f}" for v in row[d]) for d in evaluation) + " |")
+        lines.append(
+            f"| {row['head']} | {row['sequences']} | {row['learnable_tokens']} | "
+            + " | ".join("/".join(f"{v:.3f}" for v in row[d]) for d in evaluation)
+            + " |"
+        )
     (out / "scaling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

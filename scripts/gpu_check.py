@@ -29,7 +29,12 @@ def timed(fn):
 def check(target, prompts, max_new_tokens: int) -> dict:
     drafters = {name: create_drafter(name, target) for name in ("none", "ngram")}
     ids = [target.encode_prompt(p.text).to("cuda") for p in prompts]
-    hf_generate = lambda x: target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)[0, x.shape[1]:].tolist()  # noqa: E731
+
+    def hf_generate(x):
+        return target.model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False
+        )[0, x.shape[1] :].tolist()  # noqa: E731
+
     hf_generate(ids[0])  # warm-up
     for d in drafters.values():
         speculative_generate(target, d, ids[0], 8)
@@ -42,7 +47,9 @@ def check(target, prompts, max_new_tokens: int) -> dict:
         totals["hf"][0] += len(reference)
         totals["hf"][1] += wall
         for name, drafter in drafters.items():
-            (tokens, stats), wall = timed(lambda: speculative_generate(target, drafter, x, max_new_tokens, SamplingConfig()))
+            (tokens, stats), wall = timed(
+                lambda: speculative_generate(target, drafter, x, max_new_tokens, SamplingConfig())
+            )
             totals[name][0] += len(tokens)
             totals[name][1] += wall
             forwards[name] += stats.target_forwards

@@ -44,20 +44,36 @@ def drafters_agree(target, texts: list[str], max_new_tokens: int) -> dict:
     outputs, taus = {}, {}
     for name in DRAFTERS:
         spec = SelfSpec(target, drafter=name)
-        runs = [spec.generate(text, max_new_tokens=max_new_tokens, seed=index, **SAMPLED) for index, text in enumerate(texts)]
+        runs = [
+            spec.generate(text, max_new_tokens=max_new_tokens, seed=index, **SAMPLED)
+            for index, text in enumerate(texts)
+        ]
         outputs[name] = [run.token_ids for run in runs]
         taus[name] = sum(run.stats.new_tokens for run in runs) / sum(run.stats.target_forwards for run in runs)
-        print(f"{name:8s} tau {taus[name]:.2f}  same as none on "
-              f"{sum(a == b for a, b in zip(outputs[name], outputs['none']))}/{len(texts)}", flush=True)
-    return {name: {"same_as_none": sum(a == b for a, b in zip(outputs[name], outputs["none"])), "prompts": len(texts),
-                   "tau": round(taus[name], 3)} for name in DRAFTERS}
+        print(
+            f"{name:8s} tau {taus[name]:.2f}  same as none on "
+            f"{sum(a == b for a, b in zip(outputs[name], outputs['none']))}/{len(texts)}",
+            flush=True,
+        )
+    return {
+        name: {
+            "same_as_none": sum(a == b for a, b in zip(outputs[name], outputs["none"])),
+            "prompts": len(texts),
+            "tau": round(taus[name], 3),
+        }
+        for name in DRAFTERS
+    }
 
 
 def soak(target, texts: list[str], requests: int, max_new_tokens: int) -> dict:
     plain = SelfSpec(target, drafter="none")
-    reference = {(index, sampled): plain.generate(text, max_new_tokens=max_new_tokens, seed=index,
-                                                  **(SAMPLED if sampled else {})).token_ids
-                 for index, text in enumerate(texts) for sampled in (False, True)}
+    reference = {
+        (index, sampled): plain.generate(
+            text, max_new_tokens=max_new_tokens, seed=index, **(SAMPLED if sampled else {})
+        ).token_ids
+        for index, text in enumerate(texts)
+        for sampled in (False, True)
+    }
     spec = SelfSpec(target, drafter="auto")
     process = psutil.Process()
     rss, mismatches, accepted, forwards, start = [], [], 0, 0, time.perf_counter()
@@ -71,13 +87,20 @@ def soak(target, texts: list[str], requests: int, max_new_tokens: int) -> dict:
         if (request + 1) % 50 == 0:
             rss.append((request + 1, process.memory_info().rss / 2**20))
             elapsed = time.perf_counter() - start
-            print(f"request {request + 1}/{requests}: RSS {rss[-1][1]:.0f} MB, {len(mismatches)} mismatches, "
-                  f"tau {accepted / forwards:.2f}, ETA {elapsed / (request + 1) * (requests - request - 1) / 60:.1f} min",
-                  flush=True)
+            print(
+                f"request {request + 1}/{requests}: RSS {rss[-1][1]:.0f} MB, {len(mismatches)} mismatches, "
+                f"tau {accepted / forwards:.2f}, ETA {elapsed / (request + 1) * (requests - request - 1) / 60:.1f} min",
+                flush=True,
+            )
     after_100 = next(mb for count, mb in rss if count >= 100)
-    return {"requests": requests, "prompts": len(texts), "mismatches": mismatches, "tau": round(accepted / forwards, 3),
-            "rss_mb": [[count, round(mb, 1)] for count, mb in rss],
-            "rss_growth_after_100_mb": round(rss[-1][1] - after_100, 1)}
+    return {
+        "requests": requests,
+        "prompts": len(texts),
+        "mismatches": mismatches,
+        "tau": round(accepted / forwards, 3),
+        "rss_mb": [[count, round(mb, 1)] for count, mb in rss],
+        "rss_growth_after_100_mb": round(rss[-1][1] - after_100, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,8 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     target = load_target("default")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"settings": {**vars(args), **SAMPLED}, "commit": commit, "machine": describe_cpu(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    report = {
+        "settings": {**vars(args), **SAMPLED},
+        "commit": commit,
+        "machine": describe_cpu(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     if args.prompts:
         report["drafters"] = drafters_agree(target, prompts(args.prompts), args.max_new_tokens)
     if args.requests:
@@ -100,15 +127,25 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "soak.json", json.dumps(report, indent=1) + "\n")
-    lines = [f"{report['date']}, commit {commit}, {report['machine']}: `python scripts/seeded_soak.py`", "",
-             "| drafter | same seeded text as none | tau |", "|---|---|---|"]
-    lines += [f"| {name} | {row['same_as_none']}/{row['prompts']} | {row['tau']} |" for name, row in report.get("drafters", {}).items()]
+    lines = [
+        f"{report['date']}, commit {commit}, {report['machine']}: `python scripts/seeded_soak.py`",
+        "",
+        "| drafter | same seeded text as none | tau |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {row['same_as_none']}/{row['prompts']} | {row['tau']} |"
+        for name, row in report.get("drafters", {}).items()
+    ]
     if "soak" in report:
         soak_report = report["soak"]
-        lines += ["", f"Soak: {soak_report['requests']} requests through one `SelfSpec(drafter=\"auto\")`, "
-                  f"{len(soak_report['mismatches'])} outputs differing from `none`'s, RSS growth after request 100: "
-                  f"{soak_report['rss_growth_after_100_mb']} MB ({soak_report['rss_mb'][0][1]} MB at request 50, "
-                  f"{soak_report['rss_mb'][-1][1]} MB at the end)."]
+        lines += [
+            "",
+            f'Soak: {soak_report["requests"]} requests through one `SelfSpec(drafter="auto")`, '
+            f"{len(soak_report['mismatches'])} outputs differing from `none`'s, RSS growth after request 100: "
+            f"{soak_report['rss_growth_after_100_mb']} MB ({soak_report['rss_mb'][0][1]} MB at request 50, "
+            f"{soak_report['rss_mb'][-1][1]} MB at the end).",
+        ]
     atomic_write_text(out / "soak.md", "\n".join(lines) + "\n")
 
 

@@ -33,8 +33,11 @@ def main() -> None:
     parser.add_argument("heads")
     parser.add_argument("--positions", type=int, default=128)
     parser.add_argument("--out", default="runs/speculators-real-check")
-    parser.add_argument("--verifier", default="~/.cache/selfspec/models/SmolLM2-135M-Instruct",
-                        help="the default model as a transformers checkpoint (selfspec converts the GGUF into it)")
+    parser.add_argument(
+        "--verifier",
+        default="~/.cache/selfspec/models/SmolLM2-135M-Instruct",
+        help="the default model as a transformers checkpoint (selfspec converts the GGUF into it)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +47,9 @@ def main() -> None:
     verifier = Path(args.verifier).expanduser()
     export = export_heads(target, Path(args.heads), out / "export", str(verifier), "float32")
 
-    chat = target.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt")
+    chat = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt"
+    )
     chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
     with torch.inference_mode():
         ids = target.model.generate(chat, max_new_tokens=args.positions, do_sample=False)[:, : args.positions]
@@ -55,8 +60,19 @@ def main() -> None:
         inputs["input_ids"] = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # token j + 1 beside feature j
     torch.save(inputs, out / "inputs.pt")
     script = ROOT / "tests" / "speculators_forward.py"
-    run = subprocess.run([str(SIDE_PYTHON), str(script), str(export), str(out / "inputs.pt"), str(out / "theirs.pt"),
-                          str(out / "resaved")], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    run = subprocess.run(
+        [
+            str(SIDE_PYTHON),
+            str(script),
+            str(export),
+            str(out / "inputs.pt"),
+            str(out / "theirs.pt"),
+            str(out / "resaved"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     if run.returncode:
         sys.exit(run.stderr[-3000:])
     theirs = torch.load(out / "theirs.pt")
@@ -69,8 +85,13 @@ def main() -> None:
             ours = torch.stack([head.draft_logits(step)[0][: args.positions - 3] for step in steps])
             their_logits = theirs["logits"][:, : args.positions - 3]
     report = {
-        "heads": args.heads, "kind": kind, "verifier": str(verifier), "positions": args.positions,
-        "unexpected_weights": theirs["unexpected"], "weights_from_verifier": theirs["not_stored"], "nan_weights": theirs["nan"],
+        "heads": args.heads,
+        "kind": kind,
+        "verifier": str(verifier),
+        "positions": args.positions,
+        "unexpected_weights": theirs["unexpected"],
+        "weights_from_verifier": theirs["not_stored"],
+        "nan_weights": theirs["nan"],
         "max_abs_logit_difference": float((ours - their_logits).abs().max()),
         "argmax_agreement": float((ours.argmax(-1) == their_logits.argmax(-1)).float().mean()),
         "anchors": theirs.get("anchors", torch.tensor([])).tolist(),

@@ -9,7 +9,7 @@ from .api import SelfSpec, TextStream
 from .cost import CostCurve, load_cost_curve, measure_cost_curve
 from .decoding import GenerationResult, GenerationStats, speculative_generate
 from .errors import SelfspecError
-from .heads import DraftRequest, Drafter, Observation, create_drafter, drafter_names, register_drafter
+from .heads import Drafter, DraftRequest, Observation, create_drafter, drafter_names, register_drafter
 from .models import ModelFingerprint, Target, load_target
 from .sampling import SamplingConfig, logits_to_probs
 from .tree_attention import DraftTree, VerifyResult, verify

@@ -35,7 +35,7 @@ class StepText:
         # A one-token step has no burst: no second decode.
         boundary = self.printed if len(token_ids) == 1 else len(self.target.decode(self.tokens[:drafted]))
         boundary = min(max(boundary, self.printed), len(text))
-        pieces = text[self.printed:boundary], text[boundary:]
+        pieces = text[self.printed : boundary], text[boundary:]
         self.printed = len(text)
         return pieces
 
@@ -70,14 +70,17 @@ class SelfSpec:
         kernels: str = "auto",
         **drafter_options,
     ):
-        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see selfspec.execution).
+        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see
+        selfspec.execution).
 
         The drafter's name and options are checked here, before the model loads; the drafter itself is built on first
         use (`drafter`, or the first `generate` once its request has been checked): building it can measure this
         machine's cost curve and pack, calibrate or compile the target's path (minutes, once per machine), which a
         bad request must not wait for."""
         parse_drafter_options(drafter, **drafter_options)
-        self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
+        self.target = (
+            model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
+        )
         self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
         self._drafter: Drafter | None = None
         self.pacing = Pacing()  # the drafter's pacing record across requests (selfspec.pacing), held beside it
@@ -105,7 +108,8 @@ class SelfSpec:
         """Generate from a prompt (through the chat template unless chat=False) or from token ids.
 
         `stream`, if given, receives text pieces as tokens are committed; `on_step` each step's committed token ids
-        (the drafted tokens the target accepted, then its own token), e.g. to show the bursts. `pace`: pause drafting while it does not
+        (the drafted tokens the target accepted, then its own token), e.g. to show the bursts. `pace`: pause drafting
+        while it does not
         pay (the default); False asks the drafter for a tree at every step.
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -113,11 +117,22 @@ class SelfSpec:
             raise SelfspecError("pass exactly one of prompt or input_ids")
         if prompt is not None:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
-        input_ids = validate_request(self.target, input_ids, max_new_tokens, seed)  # before any first-use work (`drafter`)
-        sinks = ([TextStream(self.target, stream)] if stream is not None else []) + ([on_step] if on_step is not None else [])
+        input_ids = validate_request(
+            self.target, input_ids, max_new_tokens, seed
+        )  # before any first-use work (`drafter`)
+        sinks = ([TextStream(self.target, stream)] if stream is not None else []) + (
+            [on_step] if on_step is not None else []
+        )
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
         tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it
-            self.drafter.target, self.drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens,
-            pace=pace, pacing=self.pacing,
+            self.drafter.target,
+            self.drafter,
+            input_ids,
+            max_new_tokens,
+            sampling,
+            seed=seed,
+            on_tokens=on_tokens,
+            pace=pace,
+            pacing=self.pacing,
         )
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)

@@ -41,8 +41,10 @@ class Conversation:
         room = self.target.context_limit - self.max_new_tokens
         alone = self.target.encode_messages(self.system + [user]).shape[1]
         if alone > room:
-            raise SelfspecError(f"this message takes {alone} tokens, more than the {room} the context leaves beside a "
-                                f"reply of up to {self.max_new_tokens}: shorten it")
+            raise SelfspecError(
+                f"this message takes {alone} tokens, more than the {room} the context leaves beside a "
+                f"reply of up to {self.max_new_tokens}: shorten it"
+            )
         self.turns.append(user)
         while True:
             input_ids = self.target.encode_messages(self.system + self.turns)
@@ -85,24 +87,39 @@ class BurstPainter:
 
 
 def status_line(drafter_name: str, stats, sources: dict[str, int] | None) -> str:
-    line = (f"[{drafter_name} | {stats.tokens_per_s:.1f} tok/s | tau {stats.mean_accepted_length:.2f} | "
-            f"{stats.new_tokens} tokens")
+    line = (
+        f"[{drafter_name} | {stats.tokens_per_s:.1f} tok/s | tau {stats.mean_accepted_length:.2f} | "
+        f"{stats.new_tokens} tokens"
+    )
     if sources:
         line += " | accepted: " + " ".join(f"{name}={count}" for name, count in sources.items())
     return line + "]"
 
 
-def run_chat(spec, stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: bool, colour: bool,
-             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             system: str | None = None) -> None:
+def run_chat(
+    spec,
+    stdin: TextIO,
+    stdout: TextIO,
+    stderr: TextIO,
+    interactive: bool,
+    colour: bool,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    system: str | None = None,
+) -> None:
     """The chat loop over a SelfSpec `spec`: read a turn, stream the reply, print the status line; until /exit or
     end of input. `interactive`: prompts and the status line on `stdout` (a terminal); otherwise status on `stderr`."""
     conversation = Conversation(spec.target, max_new_tokens, system)
     status_out = stdout if interactive else stderr
     drafter = spec.drafter
     if interactive:
-        stdout.write(f"selfspec chat: {spec.target.name}, drafter {drafter.describe()}, kernels "
-                     f"{spec.target.execution.name}. {COMMANDS}.\n")
+        stdout.write(
+            f"selfspec chat: {spec.target.name}, drafter {drafter.describe()}, kernels "
+            f"{spec.target.execution.name}. {COMMANDS}.\n"
+        )
         stdout.flush()
     turn = 0
     while True:
@@ -131,8 +148,15 @@ def run_chat(spec, stdin: TextIO, stdout: TextIO, stderr: TextIO, interactive: b
         before = drafter.stats()
         painter = BurstPainter(spec.target, lambda piece: (stdout.write(piece), stdout.flush()), colour)
         try:
-            result = spec.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed + turn, on_step=painter)
+            result = spec.generate(
+                input_ids=input_ids,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed + turn,
+                on_step=painter,
+            )
         except KeyboardInterrupt:
             conversation.withdraw()
             stdout.write("\n(interrupted: the reply is left out of the conversation)\n")
@@ -176,5 +200,17 @@ def main_loop(spec, args) -> None:
     """`selfspec chat`'s body once the model and drafter are loaded."""
     interactive = stream_is_terminal(sys.stdin) and stream_is_terminal(sys.stdout)
     colour = interactive and not args.no_color
-    run_chat(spec, sys.stdin, sys.stdout, sys.stderr, interactive, colour, args.max_new_tokens, args.temperature,
-             args.top_k, args.top_p, args.seed, args.system)
+    run_chat(
+        spec,
+        sys.stdin,
+        sys.stdout,
+        sys.stderr,
+        interactive,
+        colour,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        args.system,
+    )

@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from .files import atomic_write_text, cpu_signature
 from .execution import ExecutionPath
+from .files import atomic_write_text, cpu_signature
 from .models import Target, cache_root
 
 # Built-in estimates, used until `selfspec profile` has measured this machine.
@@ -51,7 +51,9 @@ class CostCurve:
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
         return costs[-1] + slope * (n - sizes[-1])
 
-    def best_size(self, gains: Sequence[float], draft_cost_per_node: float = 0.0, min_size: int = 1) -> tuple[int, float]:
+    def best_size(
+        self, gains: Sequence[float], draft_cost_per_node: float = 0.0, min_size: int = 1
+    ) -> tuple[int, float]:
         """The tree size n (root included) with the largest expected tokens per unit of cost, and that rate.
 
         gains[i] is what node i + 1 adds to the expected accepted length (its chance of being accepted), best first,
@@ -91,19 +93,25 @@ def profile_path(device: torch.device | str, model_name: str, kernels: str = "st
 
 
 def load_cost_curve(device: torch.device | str, model_name: str, kernels: str = "stock") -> CostCurve:
-    """The stored profile for this device, model and execution path (`kernels`: stock, fast or compiled) if `selfspec profile`
+    """The stored profile for this device, model and execution path (`kernels`: stock, fast or compiled) if `selfspec
+    profile`
     made one, else the built-in estimate for that path."""
     path = profile_path(device, model_name, kernels)
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
-    kind = "cuda" if torch.device(device).type == "cuda" else {"fast": "cpu-fast", "compiled": "cpu-compiled"}.get(kernels, "cpu")
+    kind = (
+        "cuda"
+        if torch.device(device).type == "cuda"
+        else {"fast": "cpu-fast", "compiled": "cpu-compiled"}.get(kernels, "cpu")
+    )
     table = _BUILTIN[kind]
     return CostCurve(tuple(table), tuple(table.values()), source=f"builtin ({kind})")
 
 
-def measure_forward_times(target: Target, paths: dict[str, ExecutionPath], cache_length: int = 512,
-                          repeats: int = 7, sizes=PROFILE_SIZES) -> dict[str, dict[int, float]]:
+def measure_forward_times(
+    target: Target, paths: dict[str, ExecutionPath], cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES
+) -> dict[str, dict[int, float]]:
     """Seconds for one forward of n new tokens after `cache_length` cached ones, per execution path: the fastest of
     `repeats` rounds (the least disturbed by other load). Rounds interleave the paths and the sizes, so slow drifts
     of the machine hit every one alike; round 0 warms up."""
@@ -124,7 +132,9 @@ def measure_forward_times(target: Target, paths: dict[str, ExecutionPath], cache
             for name, path in paths.items():
                 with path.active():
                     for n in sizes:
-                        chain = DraftTree(tokens=torch.randint(0, vocab, (n,), generator=generator), parents=torch.arange(-1, n - 1))
+                        chain = DraftTree(
+                            tokens=torch.randint(0, vocab, (n,), generator=generator), parents=torch.arange(-1, n - 1)
+                        )
                         inputs = build_tree_inputs(chain, cache_length, target.dtype, device)
                         _synchronize(device)
                         start = time.perf_counter()
@@ -158,8 +168,11 @@ def target_cost_curve(target: Target) -> CostCurve:
     curve = load_cost_curve(target.device, target.name, target.execution.name)
     if not curve.source.startswith("builtin") or os.environ.get("SELFSPEC_AUTO_PROFILE", "1") == "0":
         return curve
-    print("selfspec: measuring this machine's verification cost curve once (a few seconds; `selfspec profile` "
-          "measures a thorough one)", file=sys.stderr)
+    print(
+        "selfspec: measuring this machine's verification cost curve once (a few seconds; `selfspec profile` "
+        "measures a thorough one)",
+        file=sys.stderr,
+    )
     times = measure_forward_times(target, {"path": target.execution}, cache_length=256, repeats=3, sizes=QUICK_SIZES)
     save_cost_curve(curve_from_times(times["path"], QUICK_SIZES), target.device, target.name, target.execution.name)
     return load_cost_curve(target.device, target.name, target.execution.name)

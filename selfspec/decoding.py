@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .errors import SelfspecError
-from .heads.base import DraftRequest, Drafter, Observation, paces_itself
+from .heads.base import Drafter, DraftRequest, Observation, paces_itself
 from .models import Target
 from .pacing import DraftPacer, Pacing
 from .sampling import SamplingConfig, StepDraws
@@ -50,7 +50,8 @@ class GenerationStats:
         return (
             f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
             f"{self.target_forwards} target forwards, mean accepted length {self.mean_accepted_length:.2f}, "
-            f"stop: {self.stop_reason}" + (f", drafting paused for {self.paused_steps} steps" if self.paused_steps else "")
+            f"stop: {self.stop_reason}"
+            + (f", drafting paused for {self.paused_steps} steps" if self.paused_steps else "")
         )
 
 
@@ -131,8 +132,10 @@ def speculative_generate(
             else:
                 tree = DraftTree.root_only(committed[-1])
             if tree.token_list[0] != committed[-1]:
-                raise SelfspecError(f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
-                                    f"last committed token {committed[-1]}: node 0 must be DraftRequest.root_token")
+                raise SelfspecError(
+                    f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
+                    f"last committed token {committed[-1]}: node 0 must be DraftRequest.root_token"
+                )
             forward_start = time.perf_counter()
             # 3. One target forward over the tree, after the cached prefix.
             inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
@@ -166,8 +169,13 @@ def speculative_generate(
             drafter.observe(Observation(emitted, hidden, tree, result.accepted_path, pacing))
             now = time.perf_counter()
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
-            pacer.record(tree.size, len(emitted), now - step_start, forward_s,
-                         (forward_start - step_start) + (now - observe_start))
+            pacer.record(
+                tree.size,
+                len(emitted),
+                now - step_start,
+                forward_s,
+                (forward_start - step_start) + (now - observe_start),
+            )
     pacer.remember()
     stats = GenerationStats(
         new_tokens=len(new_tokens),

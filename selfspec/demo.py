@@ -78,15 +78,32 @@ class DemoState:
         def on_step(token_ids) -> None:
             counts["tokens"] += len(token_ids)
             pieces = splitter.split(token_ids) or ("", "")
-            send({"event": "step", "run": run, "burst": pieces[0], "own": pieces[1], "accepted": len(token_ids),
-                  "tokens": counts["tokens"], "elapsed": round(time.perf_counter() - start, 4)})
+            send(
+                {
+                    "event": "step",
+                    "run": run,
+                    "burst": pieces[0],
+                    "own": pieces[1],
+                    "accepted": len(token_ids),
+                    "tokens": counts["tokens"],
+                    "elapsed": round(time.perf_counter() - start, 4),
+                }
+            )
 
         before = spec.drafter.stats()
         result = spec.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, on_step=on_step)
         stats = result.stats
-        send({"event": "done", "run": run, "tokens": stats.new_tokens, "tok_s": round(stats.tokens_per_s, 2),
-              "tau": round(stats.mean_accepted_length, 3), "forwards": stats.target_forwards,
-              "sources": spec.drafter.stats().accepted_since(before)})
+        send(
+            {
+                "event": "done",
+                "run": run,
+                "tokens": stats.new_tokens,
+                "tok_s": round(stats.tokens_per_s, 2),
+                "tau": round(stats.mean_accepted_length, 3),
+                "forwards": stats.target_forwards,
+                "sources": spec.drafter.stats().accepted_since(before),
+            }
+        )
 
 
 def page() -> bytes:
@@ -105,8 +122,12 @@ class DemoHandler(BaseHTTPRequestHandler):
         if url.path == "/":
             self._reply(HTTPStatus.OK, "text/html; charset=utf-8", page())
         elif url.path == "/api/drafters":
-            body = {"drafters": drafter_names(), "default": self.state.default, "model": self.state.target.name,
-                    "max_new_tokens": self.state.max_new_tokens}
+            body = {
+                "drafters": drafter_names(),
+                "default": self.state.default,
+                "model": self.state.target.name,
+                "max_new_tokens": self.state.max_new_tokens,
+            }
             self._reply(HTTPStatus.OK, "application/json", json.dumps(body).encode())
         elif url.path == "/api/generate":
             self._generate(parse_qs(url.query))
@@ -140,8 +161,13 @@ class DemoHandler(BaseHTTPRequestHandler):
                 raise SelfspecError("max_new_tokens must be a whole number") from None
             if not 1 <= max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
                 raise SelfspecError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}")
-            self.state.run(first.get("prompt", ""), first.get("drafter") or self.state.default,
-                           first.get("compare", "1") not in ("0", "false"), max_new_tokens, send)
+            self.state.run(
+                first.get("prompt", ""),
+                first.get("drafter") or self.state.default,
+                first.get("compare", "1") not in ("0", "false"),
+                max_new_tokens,
+                send,
+            )
         except SelfspecError as error:
             send({"event": "error", "message": str(error)})
         except (BrokenPipeError, ConnectionResetError):

@@ -14,9 +14,11 @@ from .heads.speculators import check_directory
 from .models import Target
 
 EXCHANGERS = {"eagle3": eagle3, "dflash": dflash}  # drafter -> its module's export_heads / import_heads
-_WHY_NOT = {"eagle": "`eagle` is EAGLE-1, which speculators does not define: train `eagle3`",
-            "medusa": "speculators defines no Medusa format",
-            "layerskip": "a layer-skip set is not a drafter model vLLM loads"}
+_WHY_NOT = {
+    "eagle": "`eagle` is EAGLE-1, which speculators does not define: train `eagle3`",
+    "medusa": "speculators defines no Medusa format",
+    "layerskip": "a layer-skip set is not a drafter model vLLM loads",
+}
 
 
 def exportable_kind(heads_dir: Path) -> str:
@@ -28,8 +30,10 @@ def exportable_kind(heads_dir: Path) -> str:
     kind = heads_kind(heads_dir)
     if kind not in EXCHANGERS:
         why = f": {_WHY_NOT[kind]}" if kind in _WHY_NOT else ""
-        raise SelfspecError(f"'{heads_dir}' holds {kind or 'no'} heads: only {' and '.join(EXCHANGERS)} heads export "
-                            f"to the speculators format{why}")
+        raise SelfspecError(
+            f"'{heads_dir}' holds {kind or 'no'} heads: only {' and '.join(EXCHANGERS)} heads export "
+            f"to the speculators format{why}"
+        )
     return kind
 
 

@@ -22,8 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .errors import SelfspecError, first_line
-from .files import cache_root
 from .execution import KERNEL_CHOICES, ExecutionPath
+from .files import cache_root
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -174,7 +174,9 @@ class Target:
         tokenizer without one, the contents joined by newlines (a newline after the last one when a reply follows)."""
         self._require_tokenizer()
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         text = "\n".join(message["content"] for message in messages) + ("\n" if add_generation_prompt else "")
         return self.tokenizer(text)["input_ids"]
@@ -197,8 +199,12 @@ def _default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = None, dtype: torch.dtype | None = None,
-                kernels: str = "auto") -> Target:
+def load_target(
+    spec: str | os.PathLike = DEFAULT_MODEL,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    kernels: str = "auto",
+) -> Target:
     """Load `default`, a checkpoint directory, a `.gguf` file, or a hub id already in the local HF cache."""
     if kernels not in KERNEL_CHOICES:
         raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
@@ -216,7 +222,9 @@ def load_target(spec: str | os.PathLike = DEFAULT_MODEL, device: str | None = No
     elif _looks_like_hub_id(spec):
         model, tokenizer = _load_from_hf_cache(spec, dtype)
     else:
-        raise SelfspecError(f"model path '{spec}' does not exist: pass a checkpoint directory, a .gguf file, or 'default'")
+        raise SelfspecError(
+            f"model path '{spec}' does not exist: pass a checkpoint directory, a .gguf file, or 'default'"
+        )
     model.to(device).eval()
     if torch.device(device).type == "cpu":
         _own_memory(model)
@@ -237,7 +245,12 @@ def _own_memory(model: torch.nn.Module) -> None:
 
 def _looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~")) and not spec.endswith((".gguf", ".safetensors"))
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not spec.startswith((".", "~"))
+        and not spec.endswith((".gguf", ".safetensors"))
+    )
 
 
 def _check_safetensors(directory: Path) -> None:
@@ -248,12 +261,17 @@ def _check_safetensors(directory: Path) -> None:
             with safe_open(str(file), framework="pt") as handle:
                 handle.keys()
         except Exception as error:  # safetensors raises its own error types for truncated or garbled files
-            raise SelfspecError(f"corrupt safetensors file '{file}': {str(error).splitlines()[0]}; re-create or re-download it") from None
+            raise SelfspecError(
+                f"corrupt safetensors file '{file}': {str(error).splitlines()[0]}; re-create or re-download it"
+            ) from None
 
 
 def _load_checkpoint_dir(directory: Path, dtype: torch.dtype):
     if not (directory / "config.json").is_file():
-        raise SelfspecError(f"'{directory}' is not a Hugging Face checkpoint (no config.json): pass a checkpoint directory or a .gguf file")
+        raise SelfspecError(
+            f"'{directory}' is not a Hugging Face checkpoint (no config.json): pass a checkpoint directory or a .gguf "
+            f"file"
+        )
     _check_safetensors(directory)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)

@@ -4,8 +4,10 @@ One converter serves every place that reads settings, so a boolean is a boolean 
 - `from_dict(cls, mapping)`: recursive; unknown keys and wrong types are a one-line SelfspecError naming the valid keys.
   With `from_text=True` (options typed on a command line) string values are converted first: "false" -> False,
   "6" -> 6, "0.3" -> 0.3, "none" -> None.
-- `parse_drafter_spec("layerskip:adaptive=false,max_draft=6")` -> ("layerskip", {"adaptive": "false", "max_draft": "6"}).
-- `split_drafter_specs("medusa,layerskip:threshold=0.3,max_draft=6")` -> ["medusa", "layerskip:threshold=0.3,max_draft=6"]:
+- `parse_drafter_spec("layerskip:adaptive=false,max_draft=6")` -> ("layerskip", {"adaptive": "false", "max_draft":
+"6"}).
+- `split_drafter_specs("medusa,layerskip:threshold=0.3,max_draft=6")` -> ["medusa",
+"layerskip:threshold=0.3,max_draft=6"]:
   a comma-separated item holding "=" but no ":" continues the spec before it (a drafter name never holds "=").
 """
 

@@ -100,7 +100,9 @@ class DraftPacer:
     def record(self, tree_size: int, emitted: int, step_s: float, forward_s: float, draft_s: float) -> None:
         if tree_size <= 1:
             plain = step_s - draft_s
-            self.plain_s = plain if self.plain_s is None else self._PLAIN_DECAY * self.plain_s + (1 - self._PLAIN_DECAY) * plain
+            self.plain_s = (
+                plain if self.plain_s is None else self._PLAIN_DECAY * self.plain_s + (1 - self._PLAIN_DECAY) * plain
+            )
             return
         if not self.enabled:
             return

@@ -60,7 +60,7 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     return probs
 
 
-# ---- position-keyed draws ---------------------------------------------------------------------------------------------
+# ---- position-keyed draws --------------------------------------------------------------------------------------------
 # A seed fixes the text: the token at output position t is drawn from p_t with a uniform that depends on (seed, t)
 # alone, never on a generator stream shared with the trees. Plain decoding and every verification of deterministic
 # children then emit the same token at t whatever was drafted, so a seed gives the same text with every drafter.

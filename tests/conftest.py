@@ -50,7 +50,12 @@ def fake_sharegpt(tmp_path, monkeypatch):
     for index in range(RECORDS):
         question = " ".join(rng.choice(WORDS) for _ in range(6))
         answer = " ".join(rng.choice(WORDS) for _ in range(12))
-        records.append({"id": f"r{index}", "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+        records.append(
+            {
+                "id": f"r{index}",
+                "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
+            }
+        )
     text = "[" + ",".join(json.dumps(r) for r in records) + ', {"id": "torn", "conversations": [{"from": "hum'
     path = tmp_path / "sharegpt.json"
     path.write_text(text)

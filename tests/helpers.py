@@ -75,7 +75,9 @@ FAMILIES = {
 CORE_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
 
 
-def make_tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, kernels: str = "auto", **overrides) -> Target:
+def make_tiny_target(
+    family: str = "llama", vocab_size: int = 96, seed: int = 0, kernels: str = "auto", **overrides
+) -> Target:
     config_cls, model_cls, extra = FAMILIES[family]
     config = config_cls(vocab_size=vocab_size, **{**_COMMON, **extra, **overrides})
     torch.manual_seed(seed)
@@ -108,7 +110,7 @@ def make_word_tokenizer(words: list[str]):
 WORDS = "the a cat dog sat on mat and ran to home big small red blue one two three is was very".split()
 
 
-# ---- greedy reference -------------------------------------------------------------------------------------------------
+# ---- greedy reference ------------------------------------------------------------------------------------------------
 
 PROMPT = [1, 5, 17, 33, 5, 17, 40, 8, 9, 5, 17]
 FLAT = CostCurve((1, 64), (1.0, 1.0), source="test")  # every tree is free: the largest ones get verified
@@ -136,14 +138,17 @@ def without_eos(target: Target) -> Target:
 # ---- sampling: the chi-square machinery ------------------------------------------------------------------------------
 
 VOCAB = 8
-CHI_PROMPT = [5]  # one token: no prefill forward, so tens of thousands of samples stay fast; step 2 still reads a compacted cache
+CHI_PROMPT = [
+    5
+]  # one token: no prefill forward, so tens of thousands of samples stay fast; step 2 still reads a compacted cache
 SAMPLING = SamplingConfig(temperature=1.0, top_k=6, top_p=0.9)
 
 
 def chi_target(num_hidden_layers: int = 1, kernels: str = "auto", family: str = "llama") -> Target:
     """A tiny target over VOCAB tokens with spread-out distributions, no EOS."""
-    target = make_tiny_target(family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers,
-                              kernels=kernels)
+    target = make_tiny_target(
+        family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers, kernels=kernels
+    )
     return target.with_eos(())
 
 
@@ -179,6 +184,7 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 # ---- drafters that exercise the loop (not registered) ----------------------------------------------------------------
+
 
 class _ContextDrafter(Drafter):
     def __init__(self, target):
@@ -224,7 +230,9 @@ class RandomDrafter(_ContextDrafter):
 
     def propose(self, request: DraftRequest) -> DraftTree:
         depth = min(self.depth, request.max_depth)
-        paths = [torch.randint(0, self.target.vocab_size, (depth,), generator=self.rng).tolist() for _ in range(self.width)]
+        paths = [
+            torch.randint(0, self.target.vocab_size, (depth,), generator=self.rng).tolist() for _ in range(self.width)
+        ]
         return DraftTree.from_paths(request.root_token, paths if depth > 0 else [])
 
 
@@ -251,7 +259,9 @@ class DrawnDrafter(_ContextDrafter):
                     dists.append(None)
                 dists[node] = q
                 if self.drawn:
-                    picks = torch.multinomial(q, self.width, replacement=not self.without_replacement, generator=request.generator)
+                    picks = torch.multinomial(
+                        q, self.width, replacement=not self.without_replacement, generator=request.generator
+                    )
                 else:
                     picks = torch.topk(q, self.width).indices
                 for token in picks.tolist():
@@ -260,7 +270,12 @@ class DrawnDrafter(_ContextDrafter):
                     next_frontier.append((len(tokens) - 1, context + [token]))
             frontier = next_frontier[:1]  # expand only the first child of each level
         vocab = self.target.vocab_size
-        table = torch.stack([d if d is not None else torch.full((vocab,), 1.0 / vocab) for d in dists + [None] * (len(tokens) - len(dists))])
+        table = torch.stack(
+            [
+                d if d is not None else torch.full((vocab,), 1.0 / vocab)
+                for d in dists + [None] * (len(tokens) - len(dists))
+            ]
+        )
         return DraftTree(
             tokens=torch.tensor(tokens),
             parents=torch.tensor(parents),
@@ -313,11 +328,16 @@ class BigramTreeDrafter(Drafter):
 
 # ---- random artifacts for the drafters that read them ----------------------------------------------------------------
 
+
 def random_medusa_dir(target, directory, num_heads=3, draft_vocab=None, seed=0, max_nodes=12, lora=False):
     """Heads with random (non-zero) weights and a tree from made-up accuracies, saved like trained ones. lora: Medusa-2
     heads, with a LoRA adapter of random (non-zero) weights that changes what the model decodes."""
-    config = MedusaConfig(num_heads=num_heads, draft_vocab_size=0 if draft_vocab is None else len(draft_vocab), max_rank=3,
-                          lora=MedusaLoraConfig(rank=4, alpha=8) if lora else None)
+    config = MedusaConfig(
+        num_heads=num_heads,
+        draft_vocab_size=0 if draft_vocab is None else len(draft_vocab),
+        max_rank=3,
+        lora=MedusaLoraConfig(rank=4, alpha=8) if lora else None,
+    )
     vocab = torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab
     heads = MedusaHeads(config, target, vocab).float()
     torch.manual_seed(seed)
@@ -344,7 +364,15 @@ def _random_lora(target, lora: MedusaLoraConfig, seed: int):
 
 
 def _random_eagle_family_head(head_cls, config_cls, target, draft_vocab, seed, config, norms: bool):
-    config = config_cls(**{"draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab), "top_k": 3, "depth": 3, "max_tree_nodes": 10, **config})
+    config = config_cls(
+        **{
+            "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
+            "top_k": 3,
+            "depth": 3,
+            "max_tree_nodes": 10,
+            **config,
+        }
+    )
     torch.manual_seed(seed)
     head = head_cls(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
     for name, parameter in head.named_parameters():
@@ -372,8 +400,16 @@ def random_eagle3_dir(target, directory, draft_vocab=None, seed=0, **config):
 
 def random_dflash_head(target, draft_vocab=None, seed=0, **config):
     """A DFlash head with random weights (norms included, so a round trip that dropped one would show)."""
-    config = DFlashConfig(**{"block_size": 4, "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
-                             "top_k": 3, "max_tree_nodes": 10, "mask_token_id": target.vocab_size - 1, **config})
+    config = DFlashConfig(
+        **{
+            "block_size": 4,
+            "draft_vocab_size": 0 if draft_vocab is None else len(draft_vocab),
+            "top_k": 3,
+            "max_tree_nodes": 10,
+            "mask_token_id": target.vocab_size - 1,
+            **config,
+        }
+    )
     torch.manual_seed(seed)
     head = DFlashHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
     for name, parameter in head.named_parameters():
@@ -396,14 +432,25 @@ def tuned_skip_file(target: Target, path, draft_vocab=None, **settings):
     return save_skip_file(path, TunedSkipSet(settings, draft_vocab, target.fingerprint, {"trials": 0}))
 
 
-# ---- training -----------------------------------------------------------------------------------------------------------
+# ---- training --------------------------------------------------------------------------------------------------------
 
 
 def tiny_recipe(tmp_path, checkpoint, **changes) -> RecipeConfig:
     config = RecipeConfig(
-        drafter="medusa", model=str(checkpoint), out=str(tmp_path / "heads"), work_dir=str(tmp_path / "work"),
-        data=DataConfig(source="sharegpt", conversations=None, max_length=64, regenerate=True, max_prompt_tokens=64,
-                        max_new_tokens=12, regenerate_batch_size=16, calibration_fraction=0.1),
+        drafter="medusa",
+        model=str(checkpoint),
+        out=str(tmp_path / "heads"),
+        work_dir=str(tmp_path / "work"),
+        data=DataConfig(
+            source="sharegpt",
+            conversations=None,
+            max_length=64,
+            regenerate=True,
+            max_prompt_tokens=64,
+            max_new_tokens=12,
+            regenerate_batch_size=16,
+            calibration_fraction=0.1,
+        ),
         labels=LabelConfig(storage="cache", top_k=4, shard_examples=16),
         train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=12, checkpoint_every=4, log_every=2),
         eval=EvalConfig(heldout_prompts=0),
@@ -417,12 +464,18 @@ def tiny_training_setup(tiny_checkpoint, count=12, layers=(-1,)):
     rng = random.Random(1)
     examples = []
     for index in range(count):
-        conversation = Conversation(str(index), (
-            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(10))},
-        ))
+        conversation = Conversation(
+            str(index),
+            (
+                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
+                {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(10))},
+            ),
+        )
         examples.append(tokenize_conversation(target, conversation, 64))
     sequences = [label_sequence(target, e, layers, 4) for e in examples]
     config = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3)
-    make = lambda: MedusaTraining(MedusaHeads(config, target, torch.arange(target.vocab_size)), 0.8)
+
+    def make():
+        return MedusaTraining(MedusaHeads(config, target, torch.arange(target.vocab_size)), 0.8)
+
     return target, sequences, make

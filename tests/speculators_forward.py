@@ -13,8 +13,8 @@ import sys
 
 import torch
 from safetensors import safe_open
-from speculators.models.dflash import core as dflash_core
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+from speculators.models.dflash import core as dflash_core
 from speculators.models.eagle3 import Eagle3DraftModel
 
 
@@ -24,10 +24,16 @@ def eagle3_logits(export_dir: str, inputs: dict):
     model.lm_head.register_forward_hook(lambda module, args, output: steps.append(output.detach()))
     input_ids = inputs["input_ids"]
     with torch.no_grad():
-        model(hidden_states=inputs["hidden_states"], input_ids=input_ids, document_ids=torch.zeros_like(input_ids),
-              ttt_steps=inputs["steps"])
-    return model, {"logits": torch.stack([step[0] for step in steps]),  # [steps, T, V_draft]
-                   "layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids)}
+        model(
+            hidden_states=inputs["hidden_states"],
+            input_ids=input_ids,
+            document_ids=torch.zeros_like(input_ids),
+            ttt_steps=inputs["steps"],
+        )
+    return model, {
+        "logits": torch.stack([step[0] for step in steps]),  # [steps, T, V_draft]
+        "layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids),
+    }
 
 
 def dflash_logits(export_dir: str, inputs: dict):
@@ -41,12 +47,22 @@ def dflash_logits(export_dir: str, inputs: dict):
     hidden = inputs["hidden_states"]
     with torch.no_grad():
         logits = model._backbone_forward(
-            hidden, input_ids, torch.ones_like(input_ids), torch.randn(*hidden.shape[:2], config.transformer_layer_config.hidden_size),
-            torch.zeros_like(input_ids), max_anchors=inputs["anchors"])[1]
+            hidden,
+            input_ids,
+            torch.ones_like(input_ids),
+            torch.randn(*hidden.shape[:2], config.transformer_layer_config.hidden_size),
+            torch.zeros_like(input_ids),
+            max_anchors=inputs["anchors"],
+        )[1]
     anchors, valid = drawn[0]
     assert bool(valid.all())
-    return model, {"logits": logits[0], "anchors": anchors, "layer_ids": list(model.config.aux_hidden_state_layer_ids),
-                   "mask_token_id": model.mask_token_id, "block_size": model.block_size}
+    return model, {
+        "logits": logits[0],
+        "anchors": anchors,
+        "layer_ids": list(model.config.aux_hidden_state_layer_ids),
+        "mask_token_id": model.mask_token_id,
+        "block_size": model.block_size,
+    }
 
 
 def main(export_dir: str, inputs_path: str, out_path: str, resave_dir: str) -> None:
@@ -57,13 +73,18 @@ def main(export_dir: str, inputs_path: str, out_path: str, resave_dir: str) -> N
         stored = set(file.keys())
     state = model.state_dict()
     model.save_pretrained(resave_dir)
-    torch.save({
-        **result,
-        "not_stored": sorted(set(state) - stored),  # what speculators took from the verifier instead
-        "unexpected": sorted(stored - set(state)),
-        "nan": sorted(name for name, tensor in state.items() if tensor.is_floating_point() and tensor.isnan().any()),
-        "d2t": model.d2t.clone(),
-    }, out_path)
+    torch.save(
+        {
+            **result,
+            "not_stored": sorted(set(state) - stored),  # what speculators took from the verifier instead
+            "unexpected": sorted(stored - set(state)),
+            "nan": sorted(
+                name for name, tensor in state.items() if tensor.is_floating_point() and tensor.isnan().any()
+            ),
+            "d2t": model.d2t.clone(),
+        },
+        out_path,
+    )
 
 
 if __name__ == "__main__":

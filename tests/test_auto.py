@@ -11,14 +11,22 @@ import torch
 from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
-from selfspec.heads import create_drafter, register_drafter, unregister_drafter
-from selfspec.heads import artifacts
+from selfspec.heads import artifacts, create_drafter, register_drafter, unregister_drafter
 from selfspec.heads.auto import MIN_HELDOUT_TAU, SourceRates, merge_trees, select_nodes
 from selfspec.heads.auto.rates import RANKS
 from selfspec.pacing import PAUSE_RULE, Pacing, SourcePacing
 from selfspec.tree_attention import DraftTree
 
-from .helpers import FLAT, PROMPT, OracleDrafter, hf_greedy, make_tiny_target, random_dflash_dir, random_eagle_dir, without_eos
+from .helpers import (
+    FLAT,
+    PROMPT,
+    OracleDrafter,
+    hf_greedy,
+    make_tiny_target,
+    random_dflash_dir,
+    random_eagle_dir,
+    without_eos,
+)
 
 
 def tree(root: int, paths: list[list[int]]) -> DraftTree:
@@ -180,6 +188,7 @@ def _earnings(auto, pacing: Pacing) -> dict[str, list[float]]:
         def record(tokens, cost, name=name, record=skips.record):
             earned[name].append(tokens)
             record(tokens, cost)
+
         skips.record = record
     return earned
 
@@ -198,7 +207,9 @@ def test_a_source_earns_only_the_accepted_tokens_no_other_source_proposed(tmp_pa
         assert list(tokens) == reference and max(stats.accepted_lengths) > 2
         # Either twin alone would have proposed every accepted token: neither adds anything to the other.
         assert earned["oracle-source"] and not any(sum(credits) for credits in earned.values())
-        with_eagle = create_drafter("auto:sources=oracle-source+eagle", target, random_eagle_dir(target, tmp_path / "h"))
+        with_eagle = create_drafter(
+            "auto:sources=oracle-source+eagle", target, random_eagle_dir(target, tmp_path / "h")
+        )
         with_eagle.cost_curve = FLAT
         pacing = Pacing()
         earned = _earnings(with_eagle, pacing)
@@ -218,7 +229,10 @@ def test_bad_sources_are_one_line_errors(tmp_path):
         create_drafter("auto:sources=ngram", target, random_eagle_dir(target, tmp_path / "h"))
     with pytest.raises(SelfspecError, match="holds no drafter's heads"):
         create_drafter("auto", target, tmp_path)
-    assert list(create_drafter("auto", target).sources) == ["ngram", "history"]  # no heads for this model: the lookups alone
+    assert list(create_drafter("auto", target).sources) == [
+        "ngram",
+        "history",
+    ]  # no heads for this model: the lookups alone
 
 
 @pytest.mark.parametrize("heldout, joins", [(1.1, False), (1.5, True), (None, True)])

@@ -108,7 +108,22 @@ def test_cli_process_exits_nonzero_without_traceback(tmp_path):
 
 
 def test_cli_generates_and_prints_stats(tiny_checkpoint, capsys):
-    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "the cat sat", "--max-new-tokens", "12", "--drafter", "ngram"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_checkpoint),
+                "--prompt",
+                "the cat sat",
+                "--max-new-tokens",
+                "12",
+                "--drafter",
+                "ngram",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "12 tokens" in captured.err and "mean accepted length" in captured.err
 
@@ -118,8 +133,11 @@ def test_cli_generates_and_prints_stats(tiny_checkpoint, capsys):
 LONG_PROMPT = " ".join(["cat"] * 300)  # past the tiny model's context of 256
 # Work a first request on a machine does once (minutes for a real model): the cost curve, the fast path's row split,
 # the compiled steps. A bad request must fail before any of it.
-FIRST_USE_WORK = ("selfspec.cost.measure_forward_times", "selfspec.execution.calibration.measure_stock_rows",
-                  "selfspec.execution.compiled.compile_step")
+FIRST_USE_WORK = (
+    "selfspec.cost.measure_forward_times",
+    "selfspec.execution.calibration.measure_stock_rows",
+    "selfspec.execution.compiled.compile_step",
+)
 
 
 class FirstUseWork(BaseException):
@@ -181,7 +199,24 @@ def test_a_new_user_with_a_long_prompt_sees_the_error_alone(tiny_checkpoint, tmp
     would print and store something; only the error comes."""
     env = {**os.environ, "SELFSPEC_CACHE": str(tmp_path), "SELFSPEC_AUTO_PROFILE": "1"}
     env.pop("SELFSPEC_STOCK_ROWS")
-    run = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "--model", str(tiny_checkpoint),
-                          "--kernels", "fast", "--prompt", LONG_PROMPT], capture_output=True, text=True, env=env)
-    assert run.returncode == 2 and run.stderr.startswith("selfspec: error:") and len(run.stderr.strip().splitlines()) == 1
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "selfspec.cli",
+            "generate",
+            "--model",
+            str(tiny_checkpoint),
+            "--kernels",
+            "fast",
+            "--prompt",
+            LONG_PROMPT,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert (
+        run.returncode == 2 and run.stderr.startswith("selfspec: error:") and len(run.stderr.strip().splitlines()) == 1
+    )
     assert "no room" in run.stderr and not any(tmp_path.iterdir())

@@ -81,17 +81,27 @@ def test_aggregate_rows_and_table():
 def test_accepted_tokens_by_source_per_dataset():
     plain = record("ngram", "a", 1.0, lengths=(3, 1), sizes=(4, 1))
     runs = [
-        RunRecord(**{**record("auto", "a", 1.0, lengths=(3, 2, 1), sizes=(5, 4, 1)).__dict__,
-                     "accepted_by_source": (("ngram", 2), ("eagle", 2))}),
-        RunRecord(**{**record("auto", "b", 1.0, lengths=(2,), sizes=(3,)).__dict__,
-                     "accepted_by_source": (("ngram", 0), ("eagle", 1))}),
+        RunRecord(
+            **{
+                **record("auto", "a", 1.0, lengths=(3, 2, 1), sizes=(5, 4, 1)).__dict__,
+                "accepted_by_source": (("ngram", 2), ("eagle", 2)),
+            }
+        ),
+        RunRecord(
+            **{
+                **record("auto", "b", 1.0, lengths=(2,), sizes=(3,)).__dict__,
+                "accepted_by_source": (("ngram", 0), ("eagle", 1)),
+            }
+        ),
     ]
     assert metrics.accepted_by_source(runs) == {"ngram": 2, "eagle": 3}
     assert metrics.accepted_by_source([plain]) is None
     assert metrics.accepted_draft_tokens(runs) == 4
     rows = aggregate(runs + [plain], 0.0, lambda n: 1.0)
     by_name = {row.drafter: row for row in rows}
-    assert by_name["auto"].accepted_by_source == {"ngram": 2, "eagle": 3} and by_name["ngram"].accepted_by_source is None
+    assert (
+        by_name["auto"].accepted_by_source == {"ngram": 2, "eagle": 3} and by_name["ngram"].accepted_by_source is None
+    )
     table = source_table(rows)
     assert table.splitlines()[2:] == ["| auto | d | 4 | 2 (50%) | 3 (75%) |"]  # no row for the drafter without sources
     assert source_table([by_name["ngram"]]) is None

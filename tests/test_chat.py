@@ -49,7 +49,9 @@ def test_bursts_are_painted_per_step_and_the_text_is_the_whole_reply(tiny_spec):
         painter(step)
     assert ANSI.sub("", "".join(pieces)) == target.decode(tokens)
     assert pieces[0].startswith(COLOURS[0]) and pieces[0].index(RESET) > 0
-    assert pieces[0][pieces[0].index(RESET) + len(RESET):] == target.decode(tokens[:3])[len(target.decode(tokens[:2])):]
+    assert (
+        pieces[0][pieces[0].index(RESET) + len(RESET) :] == target.decode(tokens[:3])[len(target.decode(tokens[:2])) :]
+    )
     assert not ANSI.search(pieces[1])  # a step that accepted no draft is the target's own token, plain
     assert pieces[2].startswith(COLOURS[2])  # colours take turns by step
     plain: list[str] = []
@@ -81,9 +83,12 @@ def test_chat_through_pipes_keeps_the_history_and_writes_status_to_stderr(tiny_s
 
 
 def test_chat_bad_input_is_one_line(tiny_checkpoint, tmp_path, capsys):
-    for extra, fragment in ((["--max-new-tokens", "0"], "max-new-tokens"), (["--drafter", "nope"], "unknown drafter"),
-                            (["--drafter", "eagle", "--heads", str(tmp_path / "missing")], "does not exist"),
-                            (["--temperature", "-1"], "temperature")):
+    for extra, fragment in (
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--drafter", "nope"], "unknown drafter"),
+        (["--drafter", "eagle", "--heads", str(tmp_path / "missing")], "does not exist"),
+        (["--temperature", "-1"], "temperature"),
+    ):
         assert main(["chat", "--model", str(tiny_checkpoint), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and fragment in err, err
@@ -92,8 +97,13 @@ def test_chat_bad_input_is_one_line(tiny_checkpoint, tmp_path, capsys):
 def _pty_chat(arguments: list[str], turns: list[str], timeout: float):
     """Run `selfspec chat` in a pseudo-terminal, type the turns, and return (the raw screen text, statuses)."""
     pexpect = pytest.importorskip("pexpect", reason="pexpect drives the pseudo-terminal (make test installs it)")
-    child = pexpect.spawn(sys.executable, ["-m", "selfspec.cli", "chat", *arguments], encoding="utf-8",
-                          timeout=timeout, dimensions=(40, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "selfspec.cli", "chat", *arguments],
+        encoding="utf-8",
+        timeout=timeout,
+        dimensions=(40, 200),
+    )
     screen, statuses = [], []
     child.expect("you> ")
     screen.append(child.before)
@@ -111,8 +121,11 @@ def _pty_chat(arguments: list[str], turns: list[str], timeout: float):
 
 
 def test_chat_in_a_pseudo_terminal(tiny_checkpoint):
-    screen, statuses = _pty_chat(["--model", str(tiny_checkpoint), "--drafter", "ngram", "--max-new-tokens", "16"],
-                                 ["the cat sat on the mat", "the dog ran"], timeout=120)
+    screen, statuses = _pty_chat(
+        ["--model", str(tiny_checkpoint), "--drafter", "ngram", "--max-new-tokens", "16"],
+        ["the cat sat on the mat", "the dog ran"],
+        timeout=120,
+    )
     assert "drafter ngram" in screen and "/reset" in screen  # the banner
     assert [status.group(1) for status in statuses] == ["ngram", "ngram"]
     assert all(int(status.group(4)) > 0 for status in statuses)
@@ -123,12 +136,13 @@ def test_chat_in_a_pseudo_terminal(tiny_checkpoint):
 @pytest.mark.real_model
 def test_chat_on_the_default_model_in_a_pseudo_terminal():
     """The real model and `auto` (prompt lookup and the shipped heads): two turns, the second one about the first."""
-    screen, statuses = _pty_chat(["--max-new-tokens", "40"],
-                                 ["Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
-                                  "Now say it once more."], timeout=600)
+    screen, statuses = _pty_chat(
+        ["--max-new-tokens", "40"],
+        ["Repeat this sentence twice: the quick brown fox jumps over the lazy dog.", "Now say it once more."],
+        timeout=600,
+    )
     assert [status.group(1) for status in statuses] == ["auto", "auto"]
     assert "fox" in ANSI.sub("", screen)
     assert any(float(status.group(3)) > 1.0 for status in statuses)  # a sentence repeated is drafted by lookup
     assert any(colour in screen for colour in COLOURS)
     assert all("accepted: ngram=" in status.group(5) for status in statuses)  # auto says whose tokens were accepted
-

@@ -7,7 +7,6 @@ with the same temperature / top-k / top-p. A verifier that forgets to remove rej
 
 from __future__ import annotations
 
-
 import pytest
 
 import selfspec.tree_attention.verifier as verify_module

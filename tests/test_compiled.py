@@ -1,6 +1,7 @@
-"""The compiled execution path (selfspec.execution.compiled): the decoding steps compiled ahead of time compute what the eager
-fast path computes, write the KV cache in place, are compiled once and then loaded, and decoding through them equals
-plain greedy decoding. One tiny Llama is compiled for the whole module (two graphs, ~1 minute on 2 cores)."""
+"""The compiled execution path (selfspec.execution.compiled): the decoding steps compiled ahead of time compute what
+the eager fast path computes, write the KV cache in place, are compiled once and then loaded, and decoding through
+them equals plain greedy decoding. One tiny Llama is compiled for the whole module (two graphs, about a minute
+on 2 cores)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,28 @@ import torch
 from selfspec.cost import load_cost_curve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
-from selfspec.heads import create_drafter
 from selfspec.execution import COMPILE_ENV, CompiledStep, ExecutionPath, compile_support, detect_capabilities
 from selfspec.execution import compiled as compiled_module
+from selfspec.heads import create_drafter
 from selfspec.models import Target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward
 
 from .helpers import (
-    PROMPT, BigramTreeDrafter, chi_square_p_value, chi_target, expected_joint, hf_greedy, make_tiny_target, random_eagle_dir,
-    sample_joint, without_eos,
+    PROMPT,
+    BigramTreeDrafter,
+    chi_square_p_value,
+    chi_target,
+    expected_joint,
+    hf_greedy,
+    make_tiny_target,
+    random_eagle_dir,
+    sample_joint,
+    without_eos,
 )
 
-pytestmark = pytest.mark.skipif(not compile_support(detect_capabilities())[0], reason=compile_support(detect_capabilities())[1])
+pytestmark = pytest.mark.skipif(
+    not compile_support(detect_capabilities())[0], reason=compile_support(detect_capabilities())[1]
+)
 
 LONG_PROMPT = [1] + [3 + (7 * i) % 90 for i in range(40)]  # past the compiled graphs' smallest cache
 TREE = DraftTree(tokens=torch.tensor([5, 17, 33, 40, 8, 9, 11]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
@@ -59,14 +70,19 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target):
                 one = DraftTree.root_only(7)
                 single = tree_forward(target.model, cache, build_tree_inputs(one, cached, target.dtype, "cpu"), (0, 2))
                 compact_cache(cache, 1, (0,))
-                tree = tree_forward(target.model, cache, build_tree_inputs(TREE, cached + 1, target.dtype, "cpu"), (0, 2))
+                tree = tree_forward(
+                    target.model, cache, build_tree_inputs(TREE, cached + 1, target.dtype, "cpu"), (0, 2)
+                )
                 compact_cache(cache, TREE.size, (0, 2, 5))  # a second child wins: a gather in the in-place storage
                 results[name] = single, tree, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     for index in (0, 1):
-        torch.testing.assert_close(results["compiled"][index].logits, results["fast"][index].logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            results["compiled"][index].logits, results["fast"][index].logits, atol=1e-4, rtol=1e-4
+        )
         for layer in (0, 2):
-            torch.testing.assert_close(results["compiled"][index].hidden[layer], results["fast"][index].hidden[layer],
-                                       atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                results["compiled"][index].hidden[layer], results["fast"][index].hidden[layer], atol=1e-4, rtol=1e-4
+            )
     assert results["compiled"][2][0][0].shape[-2] == len(LONG_PROMPT) + 1 + 3
     for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][2], results["fast"][2]):
         torch.testing.assert_close(keys, fast_keys, atol=1e-5, rtol=1e-5)
@@ -78,11 +94,15 @@ def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, mon
     calls = []
     step = target.execution.compiled
     original = CompiledStep.__call__
-    monkeypatch.setattr(CompiledStep, "__call__", lambda self, ids, *rest: calls.append(ids.shape[1]) or original(self, ids, *rest))
+    monkeypatch.setattr(
+        CompiledStep, "__call__", lambda self, ids, *rest: calls.append(ids.shape[1]) or original(self, ids, *rest)
+    )
     with torch.inference_mode(), target.execution.active():
         cache = target.new_cache()
         chunk_forward(target.model, cache, torch.tensor([PROMPT]))  # prefill: eager
-        tree_forward(target.model, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu"))  # short cache: eager
+        tree_forward(
+            target.model, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu")
+        )  # short cache: eager
         compact_cache(cache, TREE.size, (0,))
         chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
         cached = cache.get_seq_length()

@@ -41,7 +41,7 @@ def events(url: str, **query) -> list[dict]:
     with urllib.request.urlopen(f"{url}/api/generate?{urlencode(query)}", timeout=300) as reply:
         assert reply.headers["Content-Type"] == "text/event-stream"
         body = reply.read().decode()
-    return [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
 
 
 def test_the_page_and_the_drafter_list(tiny_demo):
@@ -76,12 +76,15 @@ def test_the_stream_runs_the_drafter_then_plain_decoding_with_the_same_text(tiny
     assert done["spec"]["tau"] == round(done["spec"]["tokens"] / len(steps), 3)
 
 
-@pytest.mark.parametrize("query, fragment", [
-    ({"prompt": "  "}, "prompt is empty"),
-    ({"prompt": "the cat", "drafter": "nope"}, "unknown drafter"),
-    ({"prompt": "the cat", "max_new_tokens": "0"}, "between 1 and"),
-    ({"prompt": "the cat", "max_new_tokens": "many"}, "whole number"),
-])
+@pytest.mark.parametrize(
+    "query, fragment",
+    [
+        ({"prompt": "  "}, "prompt is empty"),
+        ({"prompt": "the cat", "drafter": "nope"}, "unknown drafter"),
+        ({"prompt": "the cat", "max_new_tokens": "0"}, "between 1 and"),
+        ({"prompt": "the cat", "max_new_tokens": "many"}, "whole number"),
+    ],
+)
 def test_bad_requests_are_one_line_errors_in_the_stream(tiny_demo, query, fragment):
     stream = events(tiny_demo, **query)
     assert [event["event"] for event in stream] == ["error", "end"]
@@ -93,8 +96,12 @@ def test_cli_bad_input_is_one_line(tiny_checkpoint, capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for extra, fragment in ((["--port", str(port)], "pass another --port"), (["--port", "70000"], "--port"),
-                                (["--max-new-tokens", "0"], "--max-new-tokens"), (["--drafter", "nope"], "unknown drafter")):
+        for extra, fragment in (
+            (["--port", str(port)], "pass another --port"),
+            (["--port", "70000"], "--port"),
+            (["--max-new-tokens", "0"], "--max-new-tokens"),
+            (["--drafter", "nope"], "unknown drafter"),
+        ):
             assert main(["demo", "--model", str(tiny_checkpoint), *extra]) == 2
             err = capsys.readouterr().err.strip()
             assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and fragment in err, err
@@ -111,7 +118,13 @@ def browser():
         pytest.skip("no Chromium/ChromeDriver here (Debian: apt-get install chromium chromium-driver; make test tries)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,900"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,900",
+    ):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(driver), options=options)
 
@@ -130,7 +143,8 @@ def run_in_browser(url: str, prompt: str, screenshot: Path, timeout: float) -> d
         box.send_keys(prompt)
         chrome.find_element(By.ID, "run").click()
         WebDriverWait(chrome, timeout).until(
-            lambda page: page.find_element(By.TAG_NAME, "body").get_attribute("data-state") in ("done", "error"))
+            lambda page: page.find_element(By.TAG_NAME, "body").get_attribute("data-state") in ("done", "error")
+        )
         chrome.save_screenshot(str(screenshot))
         return {
             "state": chrome.find_element(By.TAG_NAME, "body").get_attribute("data-state"),
@@ -164,7 +178,9 @@ def test_the_page_in_a_real_browser_on_the_default_model(tmp_path):
     screenshot = Path(os.environ.get("SELFSPEC_DEMO_SCREENSHOT", tmp_path / "demo.png"))
     server, url = start_demo(SelfSpec("default"), max_new_tokens=96)
     try:
-        prompt = "Fix the bug in this function and show the corrected code:\ndef is_palindrome(s):\n    return s == s[::1]"
+        prompt = (
+            "Fix the bug in this function and show the corrected code:\ndef is_palindrome(s):\n    return s == s[::1]"
+        )
         page = run_in_browser(url, prompt, screenshot, 600)
     finally:
         server.shutdown()

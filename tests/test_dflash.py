@@ -14,7 +14,7 @@ from selfspec.heads import create_drafter
 from selfspec.heads.dflash import DFlashConfig, DFlashHead, block_tree, training_mask
 from selfspec.training.dflash import DFlashTraining, rarest_token, sample_anchors
 
-from .helpers import PROMPT, tiny_recipe, make_tiny_target, random_dflash_dir, random_dflash_head
+from .helpers import PROMPT, make_tiny_target, random_dflash_dir, random_dflash_head, tiny_recipe
 
 
 def visible(mask):
@@ -29,8 +29,11 @@ def test_training_mask_and_anchors():
         [1, 1, 0, 0, 0, 1, 1],
         [1, 1, 0, 0, 0, 1, 1],
     ]
-    anchors = sample_anchors(torch.tensor([[True] * 6, [True] * 3 + [False] * 3]),
-                             torch.tensor([[False, False, False, True, True, False], [True] * 6]), 50)
+    anchors = sample_anchors(
+        torch.tensor([[True] * 6, [True] * 3 + [False] * 3]),
+        torch.tensor([[False, False, False, True, True, False], [True] * 6]),
+        50,
+    )
     assert set(anchors[0].tolist()) == {2, 3} and set(anchors[1].tolist()) == {1}
 
 
@@ -69,9 +72,21 @@ def test_training_blocks_see_what_drafting_sees(family):
     with torch.no_grad():
         trained = head.blocks(features, ids, anchors)  # [1, 3, B, H]
         cache = DynamicCache()
-        first = head(head.context(features[:, :2]), head.block_inputs(ids[0, [2]]), torch.arange(0, 2 + 4).view(1, -1), None, cache)
+        first = head(
+            head.context(features[:, :2]),
+            head.block_inputs(ids[0, [2]]),
+            torch.arange(0, 2 + 4).view(1, -1),
+            None,
+            cache,
+        )
         trim_cache(cache, 2)
-        drafted = head(head.context(features[:, 2:6]), head.block_inputs(ids[0, [6]]), torch.arange(2, 6 + 4).view(1, -1), None, cache)
+        drafted = head(
+            head.context(features[:, 2:6]),
+            head.block_inputs(ids[0, [6]]),
+            torch.arange(2, 6 + 4).view(1, -1),
+            None,
+            cache,
+        )
     torch.testing.assert_close(trained[0, 1], first[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(trained[0, 0], drafted[0], atol=1e-5, rtol=1e-4)
     assert not torch.allclose(trained[0, 0], trained[0, 2], atol=1e-3)  # another anchor, another block
@@ -80,7 +95,9 @@ def test_training_blocks_see_what_drafting_sees(family):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_drafter_starts_from_the_target_top_layers(family):
     target = make_tiny_target(family, num_hidden_layers=3)
-    head = DFlashHead(DFlashConfig(num_layers=2, mask_token_id=0, draft_vocab_size=0), target, torch.arange(target.vocab_size))
+    head = DFlashHead(
+        DFlashConfig(num_layers=2, mask_token_id=0, draft_vocab_size=0), target, torch.arange(target.vocab_size)
+    )
     head.init_from_target(target)
     top = target.model.model.layers
     for own, source in zip(head.layers, top[1:]):
@@ -96,7 +113,10 @@ def test_the_drafter_starts_from_the_target_top_layers(family):
 def test_the_mask_token_is_the_rarest_in_the_data():
     from types import SimpleNamespace
 
-    sequences = [SimpleNamespace(input_ids=torch.tensor([0, 1, 2, 4, 4])), SimpleNamespace(input_ids=torch.tensor([0, 2, 3, 1]))]
+    sequences = [
+        SimpleNamespace(input_ids=torch.tensor([0, 1, 2, 4, 4])),
+        SimpleNamespace(input_ids=torch.tensor([0, 2, 3, 1])),
+    ]
     assert rarest_token(sequences, 6) == 5  # never used
     assert rarest_token(sequences, 5) == 3  # used once, every other token twice
 
@@ -116,18 +136,15 @@ def test_wrong_base_round_trip_and_drafter(tmp_path):
 
 def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
     import json
-
-    from selfspec.training.config import TrainConfig
-    from selfspec.training.pipeline import run_recipe
-    from selfspec.training.trainer import collate, train
-
-
     import random
 
     from selfspec.models import load_target
+    from selfspec.training.config import TrainConfig
     from selfspec.training.data import tokenize_conversation
     from selfspec.training.labels import label_sequence
+    from selfspec.training.pipeline import run_recipe
     from selfspec.training.sharegpt import Conversation
+    from selfspec.training.trainer import collate, train
 
     from .helpers import WORDS
 
@@ -138,24 +155,39 @@ def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     rng = random.Random(1)
     sequences = []
     for index in range(16):
-        conversation = Conversation(str(index), (
-            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS[:6]) for _ in range(12))},
-        ))
-        sequences.append(label_sequence(target, tokenize_conversation(target, conversation, 64), head.feature_layers, 4))
+        conversation = Conversation(
+            str(index),
+            (
+                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(4))},
+                {"role": "assistant", "content": " ".join(rng.choice(WORDS[:6]) for _ in range(12))},
+            ),
+        )
+        sequences.append(
+            label_sequence(target, tokenize_conversation(target, conversation, 64), head.feature_layers, 4)
+        )
     module = DFlashTraining(head, config)
     batch = collate(sequences, torch.device("cpu"))
     torch.manual_seed(0)
     with torch.no_grad():
         before = module.training_loss(batch)[0].item()
-    train(module, len(sequences), sequences.__getitem__,
-          TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40, checkpoint_every=100, log_every=5), tmp_path / "ckpt")
+    train(
+        module,
+        len(sequences),
+        sequences.__getitem__,
+        TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40, checkpoint_every=100, log_every=5),
+        tmp_path / "ckpt",
+    )
     torch.manual_seed(0)
     with torch.no_grad():
         after, metrics = module.training_loss(batch)
     assert after.item() < 0.8 * before and set(metrics) == {"top1@1", "top1@2"}
-    recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="dflash", out=str(tmp_path / "dflash"),
-                         dflash=DFlashConfig(block_size=4, draft_vocab_size=16, top_k=2))
+    recipe = tiny_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        drafter="dflash",
+        out=str(tmp_path / "dflash"),
+        dflash=DFlashConfig(block_size=4, draft_vocab_size=16, top_k=2),
+    )
     report = run_recipe(recipe)
     assert report["drafter"] == "dflash" and report["steps"] == 12 and report["feature_layers"] == [0, 1, 2]
     saved = json.loads((tmp_path / "dflash" / "config.json").read_text())

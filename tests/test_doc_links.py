@@ -101,7 +101,12 @@ def broken_links(page: Path, root: Path = ROOT) -> list[str]:
             problems.append(f"{where} points outside the repository")
         elif not resolved.exists():
             problems.append(f"{where} does not exist")
-        elif anchor and resolved.suffix == ".md" and resolved.is_file() and unquote(anchor).lower() not in anchors(resolved):
+        elif (
+            anchor
+            and resolved.suffix == ".md"
+            and resolved.is_file()
+            and unquote(anchor).lower() not in anchors(resolved)
+        ):
             problems.append(f"{where} names no heading of {resolved.relative_to(root.resolve())}")
     return problems
 
@@ -135,16 +140,30 @@ def test_the_checker_finds_broken_links_and_anchors(tmp_path):
     )
     problems = broken_links(tmp_path / "README.md", root=tmp_path)
     reported = sorted(problem.split(": ", 1)[1].split(" ", 1)[0] for problem in problems)
-    assert reported == sorted(["docs/missing.md", "docs/sub/missing.png", "docs/guide.md#no-such-heading", "#nowhere",
-                               "../elsewhere.md", "docs/also-missing.md"]), problems
+    assert reported == sorted(
+        [
+            "docs/missing.md",
+            "docs/sub/missing.png",
+            "docs/guide.md#no-such-heading",
+            "#nowhere",
+            "../elsewhere.md",
+            "docs/also-missing.md",
+        ]
+    ), problems
     assert not broken_links(tmp_path / "docs" / "guide.md", root=tmp_path)
 
 
-@pytest.mark.parametrize(("heading", "slug"), [
-    ("The guarantee", "the-guarantee"),
-    ("`auto`: one tree merged from several drafters", "auto-one-tree-merged-from-several-drafters"),
-    ("xeon-t0: the fast path, before and after the row split", "xeon-t0-the-fast-path-before-and-after-the-row-split"),
-    ("`rows` and `category_rows`", "rows-and-category_rows"),
-])
+@pytest.mark.parametrize(
+    ("heading", "slug"),
+    [
+        ("The guarantee", "the-guarantee"),
+        ("`auto`: one tree merged from several drafters", "auto-one-tree-merged-from-several-drafters"),
+        (
+            "xeon-t0: the fast path, before and after the row split",
+            "xeon-t0-the-fast-path-before-and-after-the-row-split",
+        ),
+        ("`rows` and `category_rows`", "rows-and-category_rows"),
+    ],
+)
 def test_github_slugs(heading, slug):
     assert github_slug(heading) == slug

@@ -24,10 +24,17 @@ import torch
 
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
-from selfspec.heads import Drafter, create_drafter, drafter_entry, drafter_names, parse_drafter_options
-from selfspec.heads import register_drafter, unregister_drafter
-from selfspec.heads.base import DrafterStats
+from selfspec.heads import (
+    Drafter,
+    create_drafter,
+    drafter_entry,
+    drafter_names,
+    parse_drafter_options,
+    register_drafter,
+    unregister_drafter,
+)
 from selfspec.heads.artifacts import load_head, save_head
+from selfspec.heads.base import DrafterStats
 from selfspec.heads.layerskip import load_skip_file, save_skip_file
 from selfspec.models import Target
 from selfspec.options import format_option
@@ -66,7 +73,9 @@ def _resave_head(drafter_name: str) -> Callable[[Target, Path, Path], Path]:
     def resave(target: Target, source: Path, destination: Path) -> Path:
         config_cls = drafter_entry(drafter_name).config_cls
         artifact = load_head(source, drafter_name, config_cls, target)
-        return save_head(destination, drafter_name, artifact.config, artifact.state, artifact.fingerprint, artifact.extra)
+        return save_head(
+            destination, drafter_name, artifact.config, artifact.state, artifact.fingerprint, artifact.extra
+        )
 
     return resave
 
@@ -90,44 +99,58 @@ class Case:
 CASES: dict[str, Case] = {
     "none": Case(drafts=False),
     "ngram": Case(greedy_options=({}, {"max_candidates": 1, "max_draft": 2}), drafts=True),
-    "history": Case(greedy_options=({}, {"max_candidates": 1, "max_draft": 2}, {"min_ngram": 1}), drafts=True, primed=True),
+    "history": Case(
+        greedy_options=({}, {"max_candidates": 1, "max_draft": 2}, {"min_ngram": 1}), drafts=True, primed=True
+    ),
     "medusa": Case(
-        make_artifacts=lambda target, path, reduced: random_medusa_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        make_artifacts=lambda target, path, reduced: random_medusa_dir(
+            target, path, draft_vocab=_half(target) if reduced else None
+        ),
         resave=_resave_head("medusa"),
         greedy_options=({}, {"max_nodes": 4}, {"max_nodes": 12}),
         chi_options={"max_nodes": 7},
         drafts=True,
     ),
     "eagle": Case(
-        make_artifacts=lambda target, path, reduced: random_eagle_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        make_artifacts=lambda target, path, reduced: random_eagle_dir(
+            target, path, draft_vocab=_half(target) if reduced else None
+        ),
         resave=_resave_head("eagle"),
         greedy_options=({}, {"max_nodes": 3}, {"fixed_nodes": 10, "top_k": 2}),
         chi_options={"max_nodes": 5, "top_k": 2, "depth": 2},
         drafts=True,
     ),
     "eagle3": Case(
-        make_artifacts=lambda target, path, reduced: random_eagle3_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        make_artifacts=lambda target, path, reduced: random_eagle3_dir(
+            target, path, draft_vocab=_half(target) if reduced else None
+        ),
         resave=_resave_head("eagle3"),
         greedy_options=({}, {"max_nodes": 3}, {"fixed_nodes": 10, "top_k": 2}),
         chi_options={"max_nodes": 5, "top_k": 2, "depth": 2},
         drafts=True,
     ),
     "dflash": Case(
-        make_artifacts=lambda target, path, reduced: random_dflash_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        make_artifacts=lambda target, path, reduced: random_dflash_dir(
+            target, path, draft_vocab=_half(target) if reduced else None
+        ),
         resave=_resave_head("dflash"),
         greedy_options=({}, {"max_nodes": 2}, {"fixed_nodes": 10}),
         chi_options={"max_nodes": 5, "top_k": 2},
         drafts=True,
     ),
     "layerskip": Case(
-        make_artifacts=lambda target, path, reduced: tuned_skip_file(target, path / "layerskip.json", draft_vocab=_half(target) if reduced else None),
+        make_artifacts=lambda target, path, reduced: tuned_skip_file(
+            target, path / "layerskip.json", draft_vocab=_half(target) if reduced else None
+        ),
         resave=_resave_skip_file,
         greedy_options=({}, {"branch_threshold": 0.9, "threshold": 0.2}, {"adaptive": False, "max_draft": 2}),
         chi_options={"branch_threshold": 1.0, "max_draft": 2},
         drafts=True,
     ),
     "auto": Case(  # one tree merged from prompt lookup and an EAGLE head (the heads directory goes to its kind)
-        make_artifacts=lambda target, path, reduced: random_eagle_dir(target, path, draft_vocab=_half(target) if reduced else None),
+        make_artifacts=lambda target, path, reduced: random_eagle_dir(
+            target, path, draft_vocab=_half(target) if reduced else None
+        ),
         resave=_resave_head("eagle"),
         greedy_options=({}, {"sources": ("ngram", "eagle"), "max_nodes": 4}, {"sources": ("eagle", "ngram")}),
         chi_options={"sources": ("ngram", "eagle"), "max_nodes": 6},
@@ -151,7 +174,9 @@ def case_for(name: str) -> Case:
 
 def build(name: str, target: Target, tmp_path: Path, reduced: bool = False, **options) -> Drafter:
     case = case_for(name)
-    heads = None if case.make_artifacts is None else case.make_artifacts(target, tmp_path / f"{name}-{reduced}", reduced)
+    heads = (
+        None if case.make_artifacts is None else case.make_artifacts(target, tmp_path / f"{name}-{reduced}", reduced)
+    )
     drafter = create_drafter(name, target, heads, **options)
     drafter.cost_curve = FLAT  # free trees: the largest the options allow get verified
     return drafter
@@ -169,13 +194,15 @@ def check_greedy(name: str, family: str, tmp_path: Path, kernels: str = "fast") 
             tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30)
             assert list(tokens) == reference, f"{name} {family} reduced={reduced} {options}"
             if case.drafts is not None:
-                assert (max(stats.tree_sizes) > 1) == case.drafts, f"{name} {options}: tree sizes {set(stats.tree_sizes)}"
+                assert (max(stats.tree_sizes) > 1) == case.drafts, (
+                    f"{name} {options}: tree sizes {set(stats.tree_sizes)}"
+                )
             budget = options.get("fixed_nodes") or options.get("max_nodes")
             assert budget is None or max(stats.tree_sizes) <= budget
             assert isinstance(drafter.stats(), DrafterStats)  # what the faces read instead of drafter-specific fields
 
 
-# ---- the registry is the suite's table --------------------------------------------------------------------------------
+# ---- the registry is the suite's table -------------------------------------------------------------------------------
 
 
 def test_every_builtin_drafter_is_registered_and_has_a_case():
@@ -210,7 +237,7 @@ def test_a_new_registration_joins_the_suite(tmp_path):
         create_drafter("contract-probe", target)
 
 
-# ---- the contract, per registered drafter ------------------------------------------------------------------------------
+# ---- the contract, per registered drafter ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kernels", ["stock", "fast"])
@@ -233,9 +260,13 @@ def test_sampling_follows_the_target_distribution(name, tmp_path):
         counts[tokens[0], tokens[1]] += 1
         drafted += stats.tree_sizes[0] > 1
     if case_for(name).drafts is not None:
-        assert (drafted > CHI_SAMPLES // 2) == case_for(name).drafts, f"{name} drafted on {drafted} of {CHI_SAMPLES} first steps"
+        assert (drafted > CHI_SAMPLES // 2) == case_for(name).drafts, (
+            f"{name} drafted on {drafted} of {CHI_SAMPLES} first steps"
+        )
     p_value = chi_square_p_value(counts, expected_joint(target, CHI_PROMPT))
-    assert p_value > 1e-3, f"{name} ({family}): sampled distribution differs from the target's (chi-square p = {p_value:.2e})"
+    assert p_value > 1e-3, (
+        f"{name} ({family}): sampled distribution differs from the target's (chi-square p = {p_value:.2e})"
+    )
 
 
 SEEDED = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
@@ -250,8 +281,11 @@ def test_seeded_sampling_equals_plain_sampling(name, family, tmp_path):
     target = without_eos(make_tiny_target(family))
     plain = create_drafter("none", target)
     budgets, seeds = (30, 7), (0, 1, 2)
-    reference = {(budget, seed): speculative_generate(target, plain, torch.tensor(PROMPT), budget, SEEDED, seed=seed)[0]
-                 for budget in budgets for seed in seeds}
+    reference = {
+        (budget, seed): speculative_generate(target, plain, torch.tensor(PROMPT), budget, SEEDED, seed=seed)[0]
+        for budget in budgets
+        for seed in seeds
+    }
     drafted = 0  # steps that verified a tree, over every option set (a paced drafter may sit some out)
     for reduced in (False, True) if case.make_artifacts else (False,):
         for options in case.greedy_options:
@@ -261,8 +295,9 @@ def test_seeded_sampling_equals_plain_sampling(name, family, tmp_path):
             for seed in (5, 6):
                 speculative_generate(target, drafter, torch.tensor(PROMPT[seed:]), 12, SEEDED, seed=seed)
             for (budget, seed), expected in reference.items():
-                tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), budget, SEEDED, seed=seed,
-                                                     pace=False)
+                tokens, stats = speculative_generate(
+                    target, drafter, torch.tensor(PROMPT), budget, SEEDED, seed=seed, pace=False
+                )
                 assert tokens == expected, f"{name} {family} reduced={reduced} {options} budget={budget} seed={seed}"
                 drafted += sum(size > 1 for size in stats.tree_sizes)
     if case.drafts is not None:

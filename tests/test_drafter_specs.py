@@ -26,7 +26,10 @@ def test_spec_strings_and_lists():
     assert parse_drafter_spec("eagle:fixed_nodes=60:top_k=10") == ("eagle", {"fixed_nodes": "60", "top_k": "10"})
     assert parse_drafter_spec(" medusa ") == ("medusa", {})
     assert split_drafter_specs("medusa, layerskip:threshold=0.3,max_draft=6,eagle:fixed_nodes=60,top_k=4") == [
-        "medusa", "layerskip:threshold=0.3,max_draft=6", "eagle:fixed_nodes=60,top_k=4"]
+        "medusa",
+        "layerskip:threshold=0.3,max_draft=6",
+        "eagle:fixed_nodes=60,top_k=4",
+    ]
     for bad, message in (("eagle:60", "not KEY=VALUE"), ("eagle:top_k=1,top_k=2", "given twice"), ("", "empty")):
         with pytest.raises(SelfspecError, match=message):
             parse_drafter_spec(bad)
@@ -55,7 +58,9 @@ def test_layerskip_adaptive_false_turns_adaptation_off(how):
     target = make_tiny_target("llama", num_hidden_layers=4)
     options = dict(threshold=0.3, target_acceptance=1.0, adapt_step=0.1)  # an impossible rate: adaptation would move
     if how == "spec":
-        drafter = create_drafter("layerskip:skip=every-other,adaptive=false,threshold=0.3,target_acceptance=1,adapt_step=0.1", target)
+        drafter = create_drafter(
+            "layerskip:skip=every-other,adaptive=false,threshold=0.3,target_acceptance=1,adapt_step=0.1", target
+        )
     elif how == "keywords":
         drafter = create_drafter("layerskip", target, skip="every-other", adaptive=False, **options)
     else:
@@ -81,13 +86,32 @@ def test_generate_reads_specs_with_options(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_bench_keeps_a_specs_own_commas(tiny_checkpoint, tmp_path, capsys):
-    """Bug: the README's `layerskip:threshold=0.3,max_draft=6` was split on its comma ('unknown drafter max_draft=6')."""
-    assert parse_drafters("ngram,layerskip:threshold=0.3,max_draft=6") == ("ngram", "layerskip:threshold=0.3,max_draft=6")
+    """Bug: the README's `layerskip:threshold=0.3,max_draft=6` was split on its comma ('unknown drafter
+    max_draft=6')."""
+    assert parse_drafters("ngram,layerskip:threshold=0.3,max_draft=6") == (
+        "ngram",
+        "layerskip:threshold=0.3,max_draft=6",
+    )
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "the big cat"}) + "\n")
     spec = "layerskip:skip=every-other,threshold=0.3,max_draft=6"
-    args = ["bench", "--model", str(tiny_checkpoint), "--drafters", f"ngram,{spec}", "--datasets", "", "--prompts",
-            str(prompts), "--peers", "", "--max-new-tokens", "6", "--out", str(tmp_path / "bench")]
+    args = [
+        "bench",
+        "--model",
+        str(tiny_checkpoint),
+        "--drafters",
+        f"ngram,{spec}",
+        "--datasets",
+        "",
+        "--prompts",
+        str(prompts),
+        "--peers",
+        "",
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(tmp_path / "bench"),
+    ]
     assert main(args) == 0
     rows = {row["drafter"] for row in json.loads((tmp_path / "bench" / "results.json").read_text())["rows"]}
     assert rows == {"hf", "none", "ngram", spec}

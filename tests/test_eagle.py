@@ -120,15 +120,27 @@ def test_unrolled_training_sees_what_drafting_sees(family, kind):
         for t in range(rows - 2):
             cache = DynamicCache()
             positions = torch.arange(1, t + 2).view(1, -1)
-            step_output = head(features[:, : t + 1], input_ids[:, 1 : t + 2], positions, causal_block_mask(0, t + 1, torch.float32, "cpu"), cache)[:, -1:]
+            step_output = head(
+                features[:, : t + 1],
+                input_ids[:, 1 : t + 2],
+                positions,
+                causal_block_mask(0, t + 1, torch.float32, "cpu"),
+                cache,
+            )[:, -1:]
             torch.testing.assert_close(step_output[0, 0], unrolled[0][0, t], atol=1e-4, rtol=1e-4)
             for step in (1, 2):
                 token = input_ids[:, t + 1 + step : t + 2 + step]
                 position = torch.tensor([[t + 1 + step]])
-                step_output = head(step_output, token, position, causal_block_mask(t + step, 1, torch.float32, "cpu"), cache)
+                step_output = head(
+                    step_output, token, position, causal_block_mask(t + step, 1, torch.float32, "cpu"), cache
+                )
                 torch.testing.assert_close(step_output[0, 0], unrolled[step][0, t], atol=1e-4, rtol=1e-4)
     visible = unrolled_mask(3, 2, torch.float32, "cpu")[0, 0] == 0
-    assert visible.int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+    assert visible.int().tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
 
 
 def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_checkpoint, fake_sharegpt):
@@ -140,9 +152,11 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
     from selfspec.training.pipeline import run_recipe
     from selfspec.training.trainer import collate, train
 
-
     target, sequences, _ = tiny_training_setup(tiny_checkpoint)
-    module = EagleTraining(EagleHead(EagleConfig(draft_vocab_size=0, feature_noise=0.0), target, torch.arange(target.vocab_size)), EagleConfig(feature_noise=0.0))
+    module = EagleTraining(
+        EagleHead(EagleConfig(draft_vocab_size=0, feature_noise=0.0), target, torch.arange(target.vocab_size)),
+        EagleConfig(feature_noise=0.0),
+    )
     batch = collate(sequences, torch.device("cpu"))
     with torch.no_grad():
         before = module.training_loss(batch)[0].item()
@@ -157,7 +171,9 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
     loss.backward()
     assert module.head.fc.weight.grad is not None
 
-    recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="eagle", eagle=EagleConfig(draft_vocab_size=16, top_k=2, depth=3))
+    recipe = tiny_recipe(
+        tmp_path, tiny_checkpoint, drafter="eagle", eagle=EagleConfig(draft_vocab_size=16, top_k=2, depth=3)
+    )
     report = run_recipe(recipe)
     assert report["drafter"] == "eagle" and report["steps"] == 12
     heads_dir = tmp_path / "heads"
@@ -203,13 +219,20 @@ def test_tiny_eagle3_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     with torch.no_grad():
         before, metrics = module.training_loss(batch)
     assert set(metrics) == {"top1", "top1@2"}  # a token loss per unrolled step, no feature loss
-    train(module, len(sequences), sequences.__getitem__, TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40,
-          checkpoint_every=100, log_every=5), tmp_path / "ckpt")
+    train(
+        module,
+        len(sequences),
+        sequences.__getitem__,
+        TrainConfig(batch_size=4, lr=0.01, warmup_steps=2, max_steps=40, checkpoint_every=100, log_every=5),
+        tmp_path / "ckpt",
+    )
     with torch.no_grad():
         after = module.training_loss(batch)[0]
     assert after.item() < 0.7 * before.item()
 
-    recipe = tiny_recipe(tmp_path, tiny_checkpoint, drafter="eagle3", eagle3=Eagle3Config(draft_vocab_size=16, top_k=2, depth=3))
+    recipe = tiny_recipe(
+        tmp_path, tiny_checkpoint, drafter="eagle3", eagle3=Eagle3Config(draft_vocab_size=16, top_k=2, depth=3)
+    )
     report = run_recipe(recipe)
     assert report["drafter"] == "eagle3" and report["steps"] == 12 and "top1@3" in report["final_metrics"]
     heads_dir = tmp_path / "heads"

@@ -11,6 +11,7 @@ from selfspec.models import Target
 
 from .helpers import CORE_FAMILIES, PROMPT, OracleDrafter, RandomDrafter, hf_greedy, make_tiny_target
 
+
 def drafters_for(target: Target, reference: list[int]):
     full = PROMPT + reference
     return {
@@ -44,7 +45,9 @@ def test_greedy_with_sliding_window_family(family):
     target = make_tiny_target(family)
     target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 24, eos=-1)
-    tokens, _ = speculative_generate(target, OracleDrafter(target, PROMPT + reference, decoys=True), torch.tensor(PROMPT), 24)
+    tokens, _ = speculative_generate(
+        target, OracleDrafter(target, PROMPT + reference, decoys=True), torch.tensor(PROMPT), 24
+    )
     assert list(tokens) == reference
 
 
@@ -57,7 +60,9 @@ def test_eos_inside_accepted_draft_stops_there():
     target = target.with_eos((eos,))
     reference = hf_greedy(target, PROMPT, 30, eos=eos)
     assert reference == free_run[: first + 1]
-    tokens, stats = speculative_generate(target, OracleDrafter(target, PROMPT + free_run, depth=8), torch.tensor(PROMPT), 30)
+    tokens, stats = speculative_generate(
+        target, OracleDrafter(target, PROMPT + free_run, depth=8), torch.tensor(PROMPT), 30
+    )
     assert list(tokens) == reference and stats.stop_reason == "eos"
     assert max(stats.accepted_lengths) > 1  # EOS really arrived inside a multi-token step
 

@@ -30,7 +30,9 @@ def served(*requests: list[int], **options):
 def paths_of(drafter, context: list[int], root: int, depth: int = 4) -> list[list[int]]:
     drafter.observe(Observation(tuple(context), {}))
     tree = drafter.propose(DraftRequest(root, depth, SamplingConfig(), None))
-    return [[tree.token_list[i] for i in tree.path_to(leaf)][1:] for leaf in range(tree.size) if not tree.children(leaf)]
+    return [
+        [tree.token_list[i] for i in tree.path_to(leaf)][1:] for leaf in range(tree.size) if not tree.children(leaf)
+    ]
 
 
 def test_copies_what_followed_in_an_earlier_request():
@@ -85,11 +87,15 @@ def test_the_packed_index_answers_as_the_dict_index_does():
     sizes = (4, 3, 2, 1)
     packed, reference = PackedTokenIndex(sizes), TokenIndex(sizes)
     for _ in range(12):
-        request = torch.randint(0, 9, (int(torch.randint(1, 40, (1,), generator=generator)),), generator=generator).tolist()
+        request = torch.randint(
+            0, 9, (int(torch.randint(1, 40, (1,), generator=generator)),), generator=generator
+        ).tolist()
         packed.extend(request)
         reference.extend(request)
         for _ in range(20):
-            context = torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator).tolist()
+            context = torch.randint(
+                0, 9, (int(torch.randint(1, 6, (1,), generator=generator)),), generator=generator
+            ).tolist()
             for depth, paths in ((3, 2), (5, 4), (0, 3)):
                 assert packed.continuations(context, depth, paths) == reference.continuations(context, depth, paths)
     assert packed.nbytes <= 16 * len(packed) * (len(sizes) + 1)
@@ -97,7 +103,10 @@ def test_the_packed_index_answers_as_the_dict_index_does():
 
 def test_packed_index_hash_collisions_are_not_matches(monkeypatch):
     import selfspec.heads.lookup.packed_index as packed_module
-    monkeypatch.setattr(packed_module, "_MULTIPLIER", packed_module.np.uint64(0))  # every n-gram hashes to its last token
+
+    monkeypatch.setattr(
+        packed_module, "_MULTIPLIER", packed_module.np.uint64(0)
+    )  # every n-gram hashes to its last token
     index = packed_module.PackedTokenIndex((3,))
     index.extend([1, 2, 3, 9, 4, 5, 3, 7])
     assert index.continuations([4, 5, 3], 2, 3) == [[7]]  # (2, 3) ... shares the hash of (5, 3) only

@@ -12,23 +12,41 @@ import torch
 from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
-from selfspec.heads import create_drafter
 from selfspec.execution import (
-    CALIBRATION_ROWS, GROUPED_SDPA, STOCK_ROWS_ENV, ExecutionPath, InPlaceLayer, PackedLinear, RowDispatch, SharedInputLinear,
-    SharedInputProduct, packed_linear,
+    CALIBRATION_ROWS,
+    GROUPED_SDPA,
+    STOCK_ROWS_ENV,
+    ExecutionPath,
+    InPlaceLayer,
+    PackedLinear,
+    RowDispatch,
+    SharedInputLinear,
+    SharedInputProduct,
+    packed_linear,
 )
+from selfspec.heads import create_drafter
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
 
 from .helpers import (
-    CORE_FAMILIES, FAMILIES, PROMPT, hf_greedy, make_tiny_target, random_dflash_dir, random_eagle_dir, random_medusa_dir,
+    CORE_FAMILIES,
+    FAMILIES,
+    PROMPT,
+    hf_greedy,
+    make_tiny_target,
+    random_dflash_dir,
+    random_eagle_dir,
+    random_medusa_dir,
     without_eos,
 )
 
 
 def linear_types(model) -> set[type]:
-    return {type(module) for module in model.modules()
-            if isinstance(module, (torch.nn.Linear, PackedLinear, SharedInputLinear))}
+    return {
+        type(module)
+        for module in model.modules()
+        if isinstance(module, (torch.nn.Linear, PackedLinear, SharedInputLinear))
+    }
 
 
 FAST_LINEARS = {PackedLinear, SharedInputLinear}  # the target's q/k/v projections run as one GEMM
@@ -79,7 +97,9 @@ def test_row_dispatch_sends_few_rows_to_the_stock_kernel():
     dispatch = RowDispatch(stock_rows=3)
     layers = [torch.nn.Linear(24, 40), torch.nn.Linear(24, 8, bias=False)]
     single = PackedLinear(layers[0], dispatch)
-    shared = [SharedInputLinear(layer, SharedInputProduct(layers, dispatch), index) for index, layer in enumerate(layers)]
+    shared = [
+        SharedInputLinear(layer, SharedInputProduct(layers, dispatch), index) for index, layer in enumerate(layers)
+    ]
     with torch.inference_mode():
         for rows in (1, 2, 3, 5):
             hidden = torch.randn(1, rows, 24)
@@ -198,7 +218,11 @@ def test_greedy_is_plain_greedy_on_both_paths(family, tmp_path):
         target = Target(model=base.model, tokenizer=None, name=base.name, kernels=kernels).with_eos(())
         assert target.execution.name == kernels
         reference = hf_greedy(target, PROMPT, 24, eos=-1)
-        for spec, heads in (("none", None), ("ngram", None), ("eagle:fixed_nodes=6", random_eagle_dir(target, tmp_path / kernels))):
+        for spec, heads in (
+            ("none", None),
+            ("ngram", None),
+            ("eagle:fixed_nodes=6", random_eagle_dir(target, tmp_path / kernels)),
+        ):
             tokens, _ = speculative_generate(target, create_drafter(spec, target, heads), torch.tensor(PROMPT), 24)
             assert list(tokens) == reference, f"{family} {kernels} {spec}"
         outputs[kernels] = reference
@@ -213,8 +237,24 @@ def test_kernel_choices_are_checked(tiny_checkpoint, capsys):
     with pytest.raises(SelfspecError, match="packs float32 weights.*use --kernels stock or auto"):
         ExecutionPath(bf16.model, "fast")
     assert ExecutionPath(bf16.model, "auto").name == "stock"
-    assert main(["generate", "--model", str(tiny_checkpoint), "--prompt", "the cat", "--kernels", "fast",
-                 "--dtype", "bfloat16", "--max-new-tokens", "4"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_checkpoint),
+                "--prompt",
+                "the cat",
+                "--kernels",
+                "fast",
+                "--dtype",
+                "bfloat16",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 2
+    )
     assert "packs float32 weights" in capsys.readouterr().err
 
 
@@ -262,7 +302,9 @@ def test_drafter_heads_are_packed_on_the_fast_path_and_compute_the_same(drafter,
     assert heads["fast"].state_dict().keys() == heads["stock"].state_dict().keys()
     hidden = torch.randn(5, fast_target.config.hidden_size)
     with torch.inference_mode():
-        torch.testing.assert_close(heads["fast"].draft_logits(hidden), heads["stock"].draft_logits(hidden), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            heads["fast"].draft_logits(hidden), heads["stock"].draft_logits(hidden), atol=1e-4, rtol=1e-4
+        )
         packed = 0
         for fast_module, stock_module in zip(heads["fast"].modules(), heads["stock"].modules()):
             if isinstance(fast_module, PackedLinear):

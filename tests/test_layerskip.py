@@ -1,5 +1,6 @@
 """Layer-skip: skip plans from the config's layer count, the draft path against the target, the draft cache's
-rollback, tuned files (round trip, wrong base), and losslessness (greedy equality, chi-square) with layer-skip drafts."""
+rollback, tuned files (round trip, wrong base), and losslessness (greedy equality, chi-square) with layer-skip
+drafts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest
 from selfspec.heads.layerskip import (
     LayerSkipSettings,
-    SkipPlan,
     SkippingForward,
+    SkipPlan,
     TunedSkipSet,
     every_other_layer,
     load_skip_file,
@@ -133,7 +134,7 @@ def test_a_draft_that_costs_a_plain_step_stops_drafting_unless_unpaced():
     assert pacing.draft_cost.dormant and pacing.draft_cost.samples >= DraftCost.MIN_SAMPLES
     drafted = [size for size in stats.tree_sizes if size > 1]
     assert 0 < len(drafted) < len(stats.tree_sizes)  # it drafted until the verdict, then never again
-    assert set(stats.tree_sizes[len(drafted):]) == {1}
+    assert set(stats.tree_sizes[len(drafted) :]) == {1}
     assert list(tokens) == reference
     tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pace=False, pacing=pacing)
     assert list(tokens) == reference and set(stats.tree_sizes) != {1}  # unpaced: it drafts whatever it costs
@@ -147,7 +148,11 @@ def test_greedy_equality_with_layerskip_drafts(family):
     target.model.generation_config.eos_token_id = None
     target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 30, eos=-1)
-    for options in ({"threshold": 0.0}, {"threshold": 0.2, "branch_threshold": 0.9}, {"skip_attention": [], "skip_mlp": [], "threshold": 0.0, "adaptive": False}):
+    for options in (
+        {"threshold": 0.0},
+        {"threshold": 0.2, "branch_threshold": 0.9},
+        {"skip_attention": [], "skip_mlp": [], "threshold": 0.0, "adaptive": False},
+    ):
         drafter = _drafter(target, max_draft=5, **options)
         # Unpaced: drafting with the whole target costs more than it saves, and acceptance is what is checked here.
         tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 30, pace=False)
@@ -189,15 +194,32 @@ def _study_trials(storage):
     return [(t.params, t.value, t.state.name) for t in study.trials]
 
 
-def test_seeded_study_is_reproducible_resumable_and_found_by_the_drafter(tmp_path, tiny_checkpoint, fake_sharegpt, capsys):
+def test_seeded_study_is_reproducible_resumable_and_found_by_the_drafter(
+    tmp_path, tiny_checkpoint, fake_sharegpt, capsys
+):
     from selfspec.cli import main
     from selfspec.models import load_target
 
-    common = ["tune", "layerskip", "--model", str(tiny_checkpoint), "--prompts", "2", "--max-new-tokens", "6",
-              "--draft-vocab-size", "12", "--seed", "3"]
+    common = [
+        "tune",
+        "layerskip",
+        "--model",
+        str(tiny_checkpoint),
+        "--prompts",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--draft-vocab-size",
+        "12",
+        "--seed",
+        "3",
+    ]
     for name in ("a", "b"):
         assert main(common + ["--trials", "6", "--estimate-only", "--out", str(tmp_path / name)]) == 0
-    first, second = _study_trials(tmp_path / "a" / "layerskip.study.log"), _study_trials(tmp_path / "b" / "layerskip.study.log")
+    first, second = (
+        _study_trials(tmp_path / "a" / "layerskip.study.log"),
+        _study_trials(tmp_path / "b" / "layerskip.study.log"),
+    )
     assert len(first) == 6 and first == second
     assert first[0][0]["skip_attn_1"] is True and first[0][0]["skip_attn_0"] is False  # trial 0: the baseline
     # Timed stage, then a resumed study that only runs the missing trials.

@@ -9,8 +9,13 @@ from pathlib import Path
 import selfspec
 
 PACKAGE = Path(selfspec.__file__).parent
-SHARED_HEAD_MODULES = {"selfspec.heads", "selfspec.heads.base", "selfspec.heads.artifacts", "selfspec.heads.vocab",
-                       "selfspec.heads.speculators"}
+SHARED_HEAD_MODULES = {
+    "selfspec.heads",
+    "selfspec.heads.base",
+    "selfspec.heads.artifacts",
+    "selfspec.heads.vocab",
+    "selfspec.heads.speculators",
+}
 
 
 def module_name(path: Path) -> str:
@@ -30,7 +35,9 @@ def import_graph() -> dict[str, set[str]]:
                 base = package
                 for _ in range(max(0, node.level - 1)):
                     base = base.rpartition(".")[0]
-                source = f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+                source = (
+                    f"{base}.{node.module}" if node.level and node.module else (base if node.level else node.module)
+                )
                 for alias in node.names:
                     candidate = f"{source}.{alias.name}"
                     edges.add(candidate if candidate in modules else source)
@@ -45,11 +52,18 @@ def test_heads_import_nothing_above_them_and_not_each_other():
     for module, imports in graph.items():
         if not module.startswith("selfspec.heads"):
             continue
-        upward = sorted(i for i in imports if i.startswith(("selfspec.training", "selfspec.bench", "selfspec.cli", "selfspec.api")))
+        upward = sorted(
+            i for i in imports if i.startswith(("selfspec.training", "selfspec.bench", "selfspec.cli", "selfspec.api"))
+        )
         assert not upward, f"{module} imports {upward}: heads/ must not depend on the layers that use it"
         if module not in SHARED_HEAD_MODULES:  # a drafter is a module or a package (heads/eagle/: eagle and eagle3)
-            siblings = sorted(i for i in imports if i.startswith("selfspec.heads.") and i not in SHARED_HEAD_MODULES
-                              and _drafter_of(i) != _drafter_of(module))
+            siblings = sorted(
+                i
+                for i in imports
+                if i.startswith("selfspec.heads.")
+                and i not in SHARED_HEAD_MODULES
+                and _drafter_of(i) != _drafter_of(module)
+            )
             assert not siblings, f"drafter module {module} imports other drafters {siblings}: share through base/vocab"
 
 
@@ -67,7 +81,7 @@ def test_the_import_graph_has_no_cycle():
         state[module] = 1
         for imported in sorted(graph[module]):
             if state.get(imported) == 1:
-                cycle = path[path.index(imported):] + [imported]
+                cycle = path[path.index(imported) :] + [imported]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if imported not in state:
                 visit(imported, path + [imported])
@@ -89,13 +103,16 @@ def _private_names_defined(tree: ast.AST) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
-                and node.value.id in ("self", "cls"):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
             names.add(node.attr)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
     return {name for name in names if _is_private(name)}
-
 
 
 def cross_module_private_reads(trees: dict[str, ast.AST]) -> list[str]:
@@ -108,13 +125,15 @@ def cross_module_private_reads(trees: dict[str, ast.AST]) -> list[str]:
     for module, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("selfspec")):
-                offences += [f"{module}:{node.lineno} imports {alias.name}"
-                             for alias in node.names if _is_private(alias.name)]
+                offences += [
+                    f"{module}:{node.lineno} imports {alias.name}" for alias in node.names if _is_private(alias.name)
+                ]
             if not isinstance(node, ast.Attribute) or node.attr not in ours or node.attr in defined[module]:
                 continue
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
-                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"):
+                isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+            ):
                 continue
             offences.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
     return offences
@@ -126,16 +145,25 @@ def test_no_module_reads_another_modules_private_names():
     elsewhere (the compiled steps use the in-place KV layer's public `storage`/`reserve`/`mark_filled`, not its
     `_key_store`). Private names of other libraries (`torch.ops.mkldnn._linear_pointwise`,
     `config._attn_implementation`) are not selfspec's to police: only names a selfspec module defines count."""
-    offences = cross_module_private_reads({module_name(path): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")})
+    offences = cross_module_private_reads(
+        {module_name(path): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
+    )
     assert not offences, "private names read across modules: " + "; ".join(offences)
 
 
 def test_the_private_name_check_flags_reaches_into_another_module():
     trees = {
-        "selfspec.storage": ast.parse("class Layer:\n    def __init__(self):\n        self._store = None\n"
-                                      "    def grow(self):\n        self._store = self._store\n_TABLE = {}\n"),
-        "selfspec.reader": ast.parse("from .storage import _TABLE\n"
-                                     "def read(layer, config):\n    config._attn_implementation\n    return layer._store\n"
-                                     "class Sub:\n    def f(self):\n        self._store, super()._store\n"),
+        "selfspec.storage": ast.parse(
+            "class Layer:\n    def __init__(self):\n        self._store = None\n"
+            "    def grow(self):\n        self._store = self._store\n_TABLE = {}\n"
+        ),
+        "selfspec.reader": ast.parse(
+            "from .storage import _TABLE\n"
+            "def read(layer, config):\n    config._attn_implementation\n    return layer._store\n"
+            "class Sub:\n    def f(self):\n        self._store, super()._store\n"
+        ),
     }
-    assert cross_module_private_reads(trees) == ["selfspec.reader:1 imports _TABLE", "selfspec.reader:4 reads layer._store"]
+    assert cross_module_private_reads(trees) == [
+        "selfspec.reader:1 imports _TABLE",
+        "selfspec.reader:4 reads layer._store",
+    ]

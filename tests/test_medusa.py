@@ -19,14 +19,16 @@ from selfspec.training.trainer import Batch
 from .helpers import PROMPT, hf_greedy, make_tiny_target, random_medusa_dir, without_eos
 
 
-
 def test_head_k_labels_are_shifted_by_k_plus_one():
     # One sequence of 6 tokens; every position learnable except the first two.
     topk_ids = torch.arange(6).view(1, 6, 1) * 10  # the target's top-1 after position t is 10 * t
     batch = Batch(
-        input_ids=torch.arange(6).view(1, 6), valid=torch.ones(1, 6, dtype=torch.bool),
-        loss_mask=torch.tensor([[False, False, True, True, True, True]]), hidden={},
-        topk_ids=topk_ids, topk_probs=torch.ones(1, 6, 1),
+        input_ids=torch.arange(6).view(1, 6),
+        valid=torch.ones(1, 6, dtype=torch.bool),
+        loss_mask=torch.tensor([[False, False, True, True, True, True]]),
+        hidden={},
+        topk_ids=topk_ids,
+        topk_probs=torch.ones(1, 6, 1),
     )
     for k in range(3):
         rows, ids, _ = shifted_labels(batch, k)
@@ -51,7 +53,9 @@ def test_draft_vocabulary_keeps_the_most_chosen_tokens():
     from selfspec.training.labels import LabeledSequence
 
     top1 = torch.tensor([5, 5, 5, 7, 7, 9]).view(-1, 1)
-    sequence = LabeledSequence(torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.bool), {}, top1, torch.ones(6, 1))
+    sequence = LabeledSequence(
+        torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.bool), {}, top1, torch.ones(6, 1)
+    )
     assert draft_vocabulary([sequence], 2, 20).tolist() == [5, 7]
     assert draft_vocabulary([sequence], 4, 20).tolist() == [0, 5, 7, 9]
     assert draft_vocabulary([sequence], 0, 20).tolist() == list(range(20))
@@ -118,7 +122,9 @@ def test_unknown_config_key_and_foreign_weights_are_rejected(tmp_path):
 
     state = load_file(str(directory / "model.safetensors"))
     metadata = {"fingerprint": json.dumps(target.fingerprint.to_dict()), "drafter": "medusa"}
-    save_file({**state, "heads.9.0.linear.weight": torch.zeros(1)}, str(directory / "model.safetensors"), metadata=metadata)
+    save_file(
+        {**state, "heads.9.0.linear.weight": torch.zeros(1)}, str(directory / "model.safetensors"), metadata=metadata
+    )
     with pytest.raises(SelfspecError, match="unexpected"):
         create_drafter("medusa", target, directory)
 
@@ -135,11 +141,48 @@ def test_cli_generate_and_medusa_tree(tmp_path, tiny_checkpoint, capsys):
     target = load_target(str(tiny_checkpoint))
     directory = random_medusa_dir(target, tmp_path / "heads")
     data = tmp_path / "calibration.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a big red dog sat on the mat"}]}) + "\n")
-    assert main(["medusa-tree", "--model", str(tiny_checkpoint), "--heads", str(directory), "--data", str(data), "--max-nodes", "5"]) == 0
+    data.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "the cat"},
+                    {"role": "assistant", "content": "a big red dog sat on the mat"},
+                ]
+            }
+        )
+        + "\n"
+    )
+    assert (
+        main(
+            [
+                "medusa-tree",
+                "--model",
+                str(tiny_checkpoint),
+                "--heads",
+                str(directory),
+                "--data",
+                str(data),
+                "--max-nodes",
+                "5",
+            ]
+        )
+        == 0
+    )
     tree = json.loads((directory / "config.json").read_text())["data"]["tree"]
     assert len(tree["paths"]) == 4 and tree["values"] == sorted(tree["values"], reverse=True)
-    args = ["generate", "--model", str(tiny_checkpoint), "--drafter", "medusa", "--heads", str(directory), "--prompt", "the cat", "--max-new-tokens", "8"]
+    args = [
+        "generate",
+        "--model",
+        str(tiny_checkpoint),
+        "--drafter",
+        "medusa",
+        "--heads",
+        str(directory),
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "8",
+    ]
     assert main(args) == 0
     assert "drafter=medusa" in capsys.readouterr().err
     assert main(args[:6] + [str(tmp_path / "nowhere")] + args[7:]) == 2
@@ -163,12 +206,17 @@ def test_medusa2_decodes_its_own_adapted_copy_and_plain_decoding_beside_it_the_o
     assert adapted_reference != reference  # the adapter changes what the model decodes: the test can tell them apart
     assert list(medusa.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == adapted_reference
     auto = SelfSpec(target, drafter="auto", heads=directory, sources=("ngram", "medusa"))
-    assert list(auto.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == reference  # auto verifies on the shared one
+    assert (
+        list(auto.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == reference
+    )  # auto verifies on the shared one
     for (name, weight), shared in zip(original.model.state_dict().items(), target.model.state_dict().values()):
         assert torch.equal(weight, shared), f"{name} of the shared target changed"
     # The copy owns only what the adapter changed (q_proj, v_proj); every other weight is the shared target's memory.
-    own = {name for name, weight in adapted.model.state_dict().items()
-           if weight.data_ptr() != target.model.state_dict()[name].data_ptr()}
+    own = {
+        name
+        for name, weight in adapted.model.state_dict().items()
+        if weight.data_ptr() != target.model.state_dict()[name].data_ptr()
+    }
     assert own and all("q_proj" in name or "v_proj" in name for name in own)
 
 

@@ -30,7 +30,10 @@ def test_weights_are_copied_out_of_the_checkpoint_files_memory_map(tiny_checkpoi
     tensors = [*target.model.parameters(), *target.model.buffers()]
     assert not [t for t in tensors for start, end in mapped if start <= t.data_ptr() < end]
     model = target.model  # tied weights stay tied
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight or not model.config.tie_word_embeddings
+    assert (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        or not model.config.tie_word_embeddings
+    )
 
 
 def test_fingerprint_differences():

@@ -5,13 +5,12 @@ import torch
 
 from selfspec.cost import CostCurve, monotone_fit
 from selfspec.decoding import speculative_generate
-from selfspec.pacing import AcceptanceCalibration
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
+from selfspec.pacing import AcceptanceCalibration
 from selfspec.sampling import SamplingConfig
 
 from .helpers import FLAT, make_tiny_target
-
 
 
 def ngram_with_context(context, **options):
@@ -24,7 +23,9 @@ def ngram_with_context(context, **options):
 def test_ngram_copies_the_continuation_of_the_latest_match():
     drafter = ngram_with_context([5, 6, 7, 8, 9, 1, 5, 6, 7, 3, 4, 5, 6])
     tree = drafter.propose(DraftRequest(6, 4, SamplingConfig(), None))
-    paths = [[tree.token_list[i] for i in tree.path_to(leaf)][1:] for leaf in range(tree.size) if not tree.children(leaf)]
+    paths = [
+        [tree.token_list[i] for i in tree.path_to(leaf)][1:] for leaf in range(tree.size) if not tree.children(leaf)
+    ]
     # (5, 6) occurs twice before: followed by 7 3 4 5 (latest) and 7 8 9 1 -> one branch per distinct next token
     assert paths[0] == [7, 3, 4, 5]
     assert tree.token_list[0] == 6 and tree.max_depth <= 4

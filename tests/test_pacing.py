@@ -19,7 +19,8 @@ CURVE = CostCurve((1, 2, 16), (1.0, 1.0, 2.0), source="test")
 
 
 def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -> list[bool]:
-    """`count` loop steps on 2-node trees (forward 0.1 s, drafting 0.02 s); True where the pacer let the drafter draft."""
+    """`count` loop steps on 2-node trees (forward 0.1 s, drafting 0.02 s); True where the pacer let the drafter
+    draft."""
     asked = []
     for _ in range(count):
         drafted = pacer.should_draft()

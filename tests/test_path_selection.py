@@ -12,8 +12,16 @@ import torch
 
 from selfspec.errors import SelfspecError
 from selfspec.execution import (
-    AUTO_MIN_WEIGHTS, COMPILE_ENV, CpuCapabilities, ExecutionPath, ModelTraits, PathChoice, detect_capabilities,
-    model_traits, package_dir, select_path,
+    AUTO_MIN_WEIGHTS,
+    COMPILE_ENV,
+    CpuCapabilities,
+    ExecutionPath,
+    ModelTraits,
+    PathChoice,
+    detect_capabilities,
+    model_traits,
+    package_dir,
+    select_path,
 )
 
 from .helpers import make_tiny_target
@@ -27,7 +35,9 @@ SMALL = replace(BIG, linear_weights=AUTO_MIN_WEIGHTS - 1)
 @pytest.mark.parametrize("cpu", [EPYC, XEON_AMX])
 def test_auto_takes_the_best_path_this_cpu_and_model_have(cpu):
     assert select_path("auto", BIG, cpu) == PathChoice("compiled")
-    assert select_path("auto", BIG, cpu, auto_compiles=False) == PathChoice("fast", f"no compiled step: ${COMPILE_ENV}=0")
+    assert select_path("auto", BIG, cpu, auto_compiles=False) == PathChoice(
+        "fast", f"no compiled step: ${COMPILE_ENV}=0"
+    )
     assert select_path("auto", SMALL, cpu) == PathChoice("stock", "a model this small runs faster on the stock kernels")
     sliding = select_path("auto", replace(BIG, full_attention_only=False), cpu)
     assert sliding.name == "fast" and "sliding-window" in sliding.note
@@ -38,7 +48,10 @@ def test_auto_takes_the_best_path_this_cpu_and_model_have(cpu):
     # Not a CPU in float32 with oneDNN: stock, and the note says why (the bf16 kernels are not built yet, AMX or not).
     cuda = select_path("auto", replace(BIG, device_type="cuda"), cpu)
     assert cuda == PathChoice("stock", "no fast path for cuda yet: the stock kernels run")
-    assert "packs float32 weights; this model is bfloat16" in select_path("auto", replace(BIG, dtype=torch.bfloat16), cpu).note
+    assert (
+        "packs float32 weights; this model is bfloat16"
+        in select_path("auto", replace(BIG, dtype=torch.bfloat16), cpu).note
+    )
     no_onednn = select_path("auto", BIG, replace(cpu, onednn_linear=False))
     assert no_onednn == PathChoice("stock", "this PyTorch build has no oneDNN linear kernels")
 
@@ -46,8 +59,12 @@ def test_auto_takes_the_best_path_this_cpu_and_model_have(cpu):
 def test_a_path_asked_for_by_name_runs_or_says_why_not():
     assert select_path("stock", replace(BIG, device_type="cuda"), EPYC) == PathChoice("stock")
     assert select_path("fast", SMALL, EPYC) == PathChoice("fast")  # by name: even where stock would win
-    assert select_path("compiled", SMALL, EPYC, auto_compiles=False) == PathChoice("compiled")  # the env var is for auto
-    with pytest.raises(SelfspecError, match="--kernels fast: the CPU fast path packs float32 .*use --kernels stock or auto"):
+    assert select_path("compiled", SMALL, EPYC, auto_compiles=False) == PathChoice(
+        "compiled"
+    )  # the env var is for auto
+    with pytest.raises(
+        SelfspecError, match="--kernels fast: the CPU fast path packs float32 .*use --kernels stock or auto"
+    ):
         select_path("fast", replace(BIG, dtype=torch.bfloat16), XEON_AMX)
     with pytest.raises(SelfspecError, match="--kernels compiled: no fast path for cuda yet"):
         select_path("compiled", replace(BIG, device_type="cuda"), EPYC)

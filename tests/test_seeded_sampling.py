@@ -22,7 +22,9 @@ SEEDED = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
 
 
 def plain(target, budget: int, seed: int) -> tuple[int, ...]:
-    return speculative_generate(target, create_drafter("none", target), torch.tensor(PROMPT), budget, SEEDED, seed=seed)[0]
+    return speculative_generate(
+        target, create_drafter("none", target), torch.tensor(PROMPT), budget, SEEDED, seed=seed
+    )[0]
 
 
 @pytest.mark.parametrize("kernels", ["stock", "fast"])
@@ -61,8 +63,10 @@ def test_a_draw_keyed_on_the_step_is_caught(monkeypatch):
 def test_drawn_children_are_seeded_but_not_tied_to_the_position():
     # Children drawn from q keep the r < p/q rule: a fresh drafter with the same seed repeats its text.
     target = without_eos(make_tiny_target("llama"))
-    runs = [speculative_generate(target, DrawnDrafter(target), torch.tensor(PROMPT), 16, SEEDED, seed=2, pace=False)[0]
-            for _ in range(2)]
+    runs = [
+        speculative_generate(target, DrawnDrafter(target), torch.tensor(PROMPT), 16, SEEDED, seed=2, pace=False)[0]
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1] and len(runs[0]) == 16
 
 

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from selfspec.cli import main as cli_main
 from selfspec.errors import SelfspecError
-from selfspec.heads.artifacts import save_head
-from selfspec.heads import create_drafter
 from selfspec.exchange import export_heads
 from selfspec.exchange import import_heads as import_any
+from selfspec.heads import create_drafter
+from selfspec.heads.artifacts import save_head
 from selfspec.training.eagle import EagleTraining
 
 from .helpers import (
@@ -79,7 +79,10 @@ def test_export_then_import_gives_identical_drafts(tmp_path, weights_dtype):
     state = load_file(str(exported / "model.safetensors"))
     assert torch.equal(torch.arange(len(state["d2t"])) + state["d2t"], _half(target))
     assert int(state["t2d"].sum()) == len(state["d2t"])
-    assert torch.equal(state["embed_tokens.weight"].float(), target.model.get_input_embeddings().weight.to(state["embed_tokens.weight"].dtype).float())
+    assert torch.equal(
+        state["embed_tokens.weight"].float(),
+        target.model.get_input_embeddings().weight.to(state["embed_tokens.weight"].dtype).float(),
+    )
     assert state["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * target.config.hidden_size
 
     imported = import_heads(target, exported, tmp_path / "imported")
@@ -121,7 +124,9 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys):
         create_drafter("eagle3", make_tiny_target("qwen3"), exported)
     with pytest.raises(SelfspecError, match="speculators 'eagle3' heads, not 'eagle': use --drafter eagle3"):
         create_drafter("eagle", target, exported)
-    with pytest.raises(SelfspecError, match="speculators defines EAGLE-3 draft layers for llama, qwen3 models, not 'mistral'"):
+    with pytest.raises(
+        SelfspecError, match="speculators defines EAGLE-3 draft layers for llama, qwen3 models, not 'mistral'"
+    ):
         mistral = make_tiny_target("mistral")
         export_heads(mistral, random_eagle3_dir(mistral, tmp_path / "mistral"), tmp_path / "out", "v")
     state = load_file(str(exported / "model.safetensors"))
@@ -141,7 +146,10 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys):
         import_heads(target, exported, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written
     for argv, message in [
-        (["export", "--heads", str(tmp_path / "missing"), "--format", "speculators", str(tmp_path / "o")], "does not exist"),
+        (
+            ["export", "--heads", str(tmp_path / "missing"), "--format", "speculators", str(tmp_path / "o")],
+            "does not exist",
+        ),
         (["import", str(tmp_path / "missing"), str(tmp_path / "o")], "has no config.json"),
     ]:
         capsys.readouterr()
@@ -153,16 +161,25 @@ def test_bad_directories_are_one_line_errors(tmp_path, capsys):
 def _side_environment() -> Path:
     built = "SELFSPEC_SPECULATORS_PYTHON" in os.environ or (SIDE_PYTHON.parent.parent / ".installed").is_file()
     if not (built and SIDE_PYTHON.is_file()):  # `make speculators` marks a venv whose installs all finished
-        pytest.skip(f"no environment with the speculators package at {SIDE_PYTHON} (speculators 0.9 pins "
-                    "transformers<=5.19, selfspec runs on 5.23): `make speculators` builds one")
+        pytest.skip(
+            f"no environment with the speculators package at {SIDE_PYTHON} (speculators 0.9 pins "
+            "transformers<=5.19, selfspec runs on 5.23): `make speculators` builds one"
+        )
     return SIDE_PYTHON
 
 
 def _run_side_script(python: Path, tmp_path: Path) -> dict:
-    """tests/speculators_forward.py on tmp_path/export and tmp_path/inputs.pt -> what it wrote (resaved: tmp_path/resaved)."""
+    """tests/speculators_forward.py on tmp_path/export and tmp_path/inputs.pt -> what it wrote (resaved:
+    tmp_path/resaved)."""
     script = Path(__file__).with_name("speculators_forward.py")
-    args = [str(python), str(script), str(tmp_path / "export"), str(tmp_path / "inputs.pt"), str(tmp_path / "theirs.pt"),
-            str(tmp_path / "resaved")]
+    args = [
+        str(python),
+        str(script),
+        str(tmp_path / "export"),
+        str(tmp_path / "inputs.pt"),
+        str(tmp_path / "theirs.pt"),
+        str(tmp_path / "resaved"),
+    ]
     run = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
     assert run.returncode == 0, run.stderr[-2000:]
     return torch.load(tmp_path / "theirs.pt")
@@ -177,8 +194,13 @@ def test_speculators_own_classes_load_our_export_and_agree(tmp_path, family):
     target = make_tiny_target(family)
     head = random_eagle3_head(target, draft_vocab=_half(target)).eval()
     target.model.save_pretrained(tmp_path / "verifier")
-    heads = save_head(tmp_path / "heads", "eagle3", replace(head.config, feature_layers=head.feature_layers),
-                      head.state_dict(), target.fingerprint)
+    heads = save_head(
+        tmp_path / "heads",
+        "eagle3",
+        replace(head.config, feature_layers=head.feature_layers),
+        head.state_dict(),
+        target.fingerprint,
+    )
     export_heads(target, heads, tmp_path / "export", str(tmp_path / "verifier"), "float32")
     rows, steps = 128, 3  # speculators' flex-attention masks come in blocks of 128
     torch.manual_seed(1)
@@ -191,7 +213,10 @@ def test_speculators_own_classes_load_our_export_and_agree(tmp_path, family):
     assert theirs["layer_ids"] == list(head.feature_layers)
     assert torch.equal(torch.arange(len(theirs["d2t"])) + theirs["d2t"], _half(target))
     with torch.no_grad():
-        ours = [head.draft_logits(out)[0] for out in EagleTraining(head, head.config).unroll(head.fuse(features), input_ids, steps)]
+        ours = [
+            head.draft_logits(out)[0]
+            for out in EagleTraining(head, head.config).unroll(head.fuse(features), input_ids, steps)
+        ]
     for step in range(steps):
         valid = rows - step  # later steps' last rows run past the sequence (padding), in both implementations
         torch.testing.assert_close(theirs["logits"][step][:valid], ours[step][:valid], atol=1e-4, rtol=1e-4)
@@ -207,16 +232,29 @@ def test_dflash_export_then_import_gives_identical_drafts(tmp_path):
     assert document["block_size"] == 4 and document["mask_token_id"] == target.vocab_size - 1
     assert document["aux_hidden_state_layer_ids"] == [0, 1, 2] and document["sample_from_anchor"] is False
     layer = document["transformer_layer_config"]
-    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["hidden_size"] == target.config.hidden_size
+    assert (
+        layer["model_type"] == "qwen3"
+        and layer["num_hidden_layers"] == 2
+        and layer["hidden_size"] == target.config.hidden_size
+    )
     assert document["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     state = load_file(str(exported / "model.safetensors"))
-    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight", "norm.weight", "lm_head.weight"} <= set(state)
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+    } <= set(state)
     imported = import_heads(target, exported, tmp_path / "imported")
     reference = _drafts(target, heads, drafter="dflash")
     assert any(len(tokens) > 1 for tokens, _ in reference)
     assert _drafts(target, exported, drafter="dflash") == reference  # --heads pointing at the speculators directory
     assert _drafts(target, imported, drafter="dflash") == reference
-    assert _drafts(target, export_heads(target, imported, tmp_path / "again", "v", "float32"), drafter="dflash") == reference
+    assert (
+        _drafts(target, export_heads(target, imported, tmp_path / "again", "v", "float32"), drafter="dflash")
+        == reference
+    )
 
 
 def test_dflash_directories_selfspec_cannot_run_are_refused(tmp_path):
@@ -226,10 +264,14 @@ def test_dflash_directories_selfspec_cannot_run_are_refused(tmp_path):
     cases = [
         ({**document, "sample_from_anchor": True}, "drafts from the anchor position too"),
         ({**document, "mask_token_id": None}, "has no mask_token_id"),
-        ({**document, "transformer_layer_config": {**document["transformer_layer_config"], "intermediate_size": 7}},
-         "made for another base model: intermediate_size 7"),
-        ({**document, "transformer_layer_config": {**document["transformer_layer_config"], "num_hidden_layers": 12}},
-         "has 12 draft layers"),
+        (
+            {**document, "transformer_layer_config": {**document["transformer_layer_config"], "intermediate_size": 7}},
+            "made for another base model: intermediate_size 7",
+        ),
+        (
+            {**document, "transformer_layer_config": {**document["transformer_layer_config"], "num_hidden_layers": 12}},
+            "has 12 draft layers",
+        ),
     ]
     for changed, message in cases:
         (exported / "config.json").write_text(json.dumps(changed))
@@ -249,8 +291,13 @@ def test_speculators_own_classes_load_our_dflash_export_and_agree(tmp_path, fami
     target = make_tiny_target(family)
     head = random_dflash_head(target, draft_vocab=_half(target), num_layers=2).eval()
     target.model.save_pretrained(tmp_path / "verifier")
-    heads = save_head(tmp_path / "heads", "dflash", replace(head.config, feature_layers=head.feature_layers),
-                      head.state_dict(), target.fingerprint)
+    heads = save_head(
+        tmp_path / "heads",
+        "dflash",
+        replace(head.config, feature_layers=head.feature_layers),
+        head.state_dict(),
+        target.fingerprint,
+    )
     export_heads(target, heads, tmp_path / "export", str(tmp_path / "verifier"), "float32")
     rows, anchors = 48, 6
     torch.manual_seed(1)
@@ -265,4 +312,6 @@ def test_speculators_own_classes_load_our_dflash_export_and_agree(tmp_path, fami
     with torch.no_grad():
         ours = head.draft_logits(head.blocks(features, input_ids, theirs["anchors"].view(1, -1)))  # [1, A, B, V_draft]
     torch.testing.assert_close(theirs["logits"], ours.view(-1, ours.shape[-1]), atol=1e-4, rtol=1e-4)
-    assert _drafts(target, tmp_path / "resaved", drafter="dflash") == _drafts(target, tmp_path / "export", drafter="dflash")
+    assert _drafts(target, tmp_path / "resaved", drafter="dflash") == _drafts(
+        target, tmp_path / "export", drafter="dflash"
+    )

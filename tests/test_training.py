@@ -15,19 +15,18 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
+from selfspec.heads.medusa import MedusaConfig, MedusaLoraConfig
 from selfspec.models import load_target
 from selfspec.training import labels as labels_module
-from selfspec.heads.medusa import MedusaConfig, MedusaLoraConfig
 from selfspec.training.config import EvalConfig, TrainConfig, load_recipe
 from selfspec.training.data import load_conversations, tokenize_conversation
 from selfspec.training.labels import build_label_cache, label_sequence, load_label_cache
 from selfspec.training.pipeline import run_recipe
-from selfspec.training.stages import prepare_examples
 from selfspec.training.sharegpt import Conversation
+from selfspec.training.stages import prepare_examples
 from selfspec.training.trainer import collate, train
 
 from .helpers import hf_greedy, tiny_recipe, tiny_training_setup
-
 
 
 def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch):
@@ -50,7 +49,9 @@ def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_
 
 def test_tokenized_conversation_masks_assistant_tokens_only(tiny_checkpoint):
     target = load_target(str(tiny_checkpoint))
-    conversation = Conversation("c", ({"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "a dog ran"}))
+    conversation = Conversation(
+        "c", ({"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "a dog ran"})
+    )
     example = tokenize_conversation(target, conversation, 64)
     tokens = target.tokenizer.convert_ids_to_tokens(example.input_ids.tolist())
     learned = [t for t, m in zip(tokens, example.loss_mask.tolist()) if m]
@@ -60,7 +61,9 @@ def test_tokenized_conversation_masks_assistant_tokens_only(tiny_checkpoint):
 
 def test_label_shapes_and_cache_round_trip_and_resume(tmp_path, tiny_checkpoint, monkeypatch):
     target = load_target(str(tiny_checkpoint))
-    conversation = Conversation("c", ({"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a big red dog"}))
+    conversation = Conversation(
+        "c", ({"role": "user", "content": "the cat"}, {"role": "assistant", "content": "a big red dog"})
+    )
     examples = [replace(tokenize_conversation(target, conversation, 64), id=f"c{i}") for i in range(5)]
     sequence = label_sequence(target, examples[0], (-1, 1), top_k=4)
     length = len(examples[0].input_ids)
@@ -150,8 +153,15 @@ def test_whole_recipe_on_a_tiny_checkpoint(tmp_path, tiny_checkpoint, fake_share
 
 
 def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_checkpoint, fake_sharegpt):
-    medusa = MedusaConfig(num_heads=2, draft_vocab_size=0, max_rank=3, max_tree_nodes=8, lora=MedusaLoraConfig(rank=4, alpha=8))
-    config = tiny_recipe(tmp_path, tiny_checkpoint, medusa=medusa, train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=1, max_steps=6, checkpoint_every=3, log_every=2))
+    medusa = MedusaConfig(
+        num_heads=2, draft_vocab_size=0, max_rank=3, max_tree_nodes=8, lora=MedusaLoraConfig(rank=4, alpha=8)
+    )
+    config = tiny_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        medusa=medusa,
+        train=TrainConfig(batch_size=4, lr=0.01, warmup_steps=1, max_steps=6, checkpoint_every=3, log_every=2),
+    )
     report = run_recipe(config)
     heads_dir = tmp_path / "heads"
     assert (heads_dir / "adapter" / "adapter_config.json").is_file() and "base_ce" in report["final_metrics"]
@@ -159,7 +169,11 @@ def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_
     target = load_target(str(tiny_checkpoint))
     drafter = create_drafter("medusa", target, heads_dir)
     adapted = drafter.target  # the adapter is merged into a copy of the target; the target given stays the original
-    changed = [name for (name, a), (_, b) in zip(original.model.state_dict().items(), adapted.model.state_dict().items()) if not torch.equal(a, b)]
+    changed = [
+        name
+        for (name, a), (_, b) in zip(original.model.state_dict().items(), adapted.model.state_dict().items())
+        if not torch.equal(a, b)
+    ]
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
     kept = zip(original.model.state_dict().values(), target.model.state_dict().values())
     assert all(torch.equal(a, b) for a, b in kept)
@@ -200,7 +214,9 @@ def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_s
     target = load_target(str(tiny_checkpoint))
     conversations = load_conversations("sharegpt")[:6]
     batched = regenerate(target, conversations, tmp_path / "a.jsonl", max_new_tokens=10, batch_size=4)
-    lossless = regenerate(target, conversations, tmp_path / "b.jsonl", max_new_tokens=10, batch_size=4, engine="selfspec")
+    lossless = regenerate(
+        target, conversations, tmp_path / "b.jsonl", max_new_tokens=10, batch_size=4, engine="selfspec"
+    )
     rows_a = [json.loads(line) for line in batched.read_text().splitlines()]
     rows_b = [json.loads(line) for line in lossless.read_text().splitlines()]
     assert rows_a == rows_b and len(rows_a) == 6
@@ -220,7 +236,9 @@ def test_training_data_renders_prompts_as_serving_does(tiny_checkpoint, template
     if not template:
         target.tokenizer.chat_template = None
     user = {"role": "user", "content": "the cat sat"}
-    example = tokenize_conversation(target, Conversation("c", (user, {"role": "assistant", "content": "a dog ran"})), 64)
+    example = tokenize_conversation(
+        target, Conversation("c", (user, {"role": "assistant", "content": "a dog ran"})), 64
+    )
     first_learned = example.loss_mask.tolist().index(True)
     served = target.encode_messages([user])[0].tolist()
     assert example.input_ids[:first_learned].tolist() == served

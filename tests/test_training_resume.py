@@ -43,14 +43,17 @@ def _eagle_maker(tiny_checkpoint):
 
     def make():
         torch.manual_seed(7)
-        return EagleTraining(EagleHead(EagleConfig(draft_vocab_size=0, feature_noise=0.2), target,
-                                       torch.arange(target.vocab_size)), EagleConfig(feature_noise=0.2))
+        return EagleTraining(
+            EagleHead(EagleConfig(draft_vocab_size=0, feature_noise=0.2), target, torch.arange(target.vocab_size)),
+            EagleConfig(feature_noise=0.2),
+        )
 
     return sequences, make
 
 
-CONFIG = TrainConfig(batch_size=4, lr=0.02, warmup_steps=3, max_steps=12, checkpoint_every=5, checkpoint_minutes=10,
-                     log_every=4)
+CONFIG = TrainConfig(
+    batch_size=4, lr=0.02, warmup_steps=3, max_steps=12, checkpoint_every=5, checkpoint_minutes=10, log_every=4
+)
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -87,7 +90,10 @@ def test_resume_after_a_step_checkpoint_equals_the_uninterrupted_run(tmp_path, t
     _assert_same_weights(straight, resumed)
     # The progress numbers continue: the same token count, loss window and metrics as the straight run's.
     assert (summary.tokens, summary.final_loss, summary.final_metrics) == (
-        reference.tokens, reference.final_loss, reference.final_metrics)
+        reference.tokens,
+        reference.final_loss,
+        reference.final_metrics,
+    )
     assert summary.first_draft_accuracy == reference.final_metrics["top1"]
 
 
@@ -131,8 +137,10 @@ def test_a_bad_checkpoint_setting_is_one_line_before_any_work(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("drafter: eagle3\ntrain:\n  checkpoint_minutes: -5\n")
     assert main(["train", "eagle3", "--config", str(recipe)]) == 2
-    expected = ("selfspec: error: train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
-                "got -5.0 and 50")
+    expected = (
+        "selfspec: error: train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
+        "got -5.0 and 50"
+    )
     assert capsys.readouterr().err.strip().splitlines() == [expected]
 
 
@@ -154,10 +162,12 @@ def _counting(monkeypatch, module, name: str) -> list:
     return _stop_after(monkeypatch, module, name, 10**9)
 
 
-def test_a_recipe_stopped_in_each_stage_resumes_to_the_uninterrupted_heads(tmp_path, tiny_checkpoint, fake_sharegpt,
-                                                                           monkeypatch):
-    straight = tiny_recipe(tmp_path / "straight", tiny_checkpoint, drafter="eagle",
-                           out=str(tmp_path / "straight-heads"))
+def test_a_recipe_stopped_in_each_stage_resumes_to_the_uninterrupted_heads(
+    tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch
+):
+    straight = tiny_recipe(
+        tmp_path / "straight", tiny_checkpoint, drafter="eagle", out=str(tmp_path / "straight-heads")
+    )
     run_recipe(straight)
     config = replace(straight, out=str(tmp_path / "heads"), work_dir=str(tmp_path / "work"))
     with monkeypatch.context() as patch:  # 1. stopped after the first regeneration batch (of 16 prompts)
@@ -186,28 +196,46 @@ def test_a_recipe_stopped_in_each_stage_resumes_to_the_uninterrupted_heads(tmp_p
         report = run_recipe(config, resume=True)
     assert labelled == [] and report["resumed_from"] == 4 and report["steps"] == 12
     assert (tmp_path / "work" / "regenerated.jsonl").read_text().splitlines() == replies
-    ours, theirs = load_file(str(tmp_path / "heads" / "model.safetensors")), load_file(
-        str(tmp_path / "straight-heads" / "model.safetensors"))
+    ours, theirs = (
+        load_file(str(tmp_path / "heads" / "model.safetensors")),
+        load_file(str(tmp_path / "straight-heads" / "model.safetensors")),
+    )
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     training = report["throughput"]["training"]
-    assert training["tokens"] == json.loads((tmp_path / "straight-heads" / "training_report.json").read_text())[
-        "throughput"]["training"]["tokens"]  # the progress numbers continued through the resume
+    assert (
+        training["tokens"]
+        == json.loads((tmp_path / "straight-heads" / "training_report.json").read_text())["throughput"]["training"][
+            "tokens"
+        ]
+    )  # the progress numbers continued through the resume
 
 
 def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_heads(tmp_path, tiny_checkpoint):
     """A real process, killed with SIGKILL once its first checkpoint is on disk, then `selfspec train --resume`."""
     data = tmp_path / "conversations.jsonl"
     words = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(words[(i + j) % 8] for j in range(4))},
-        {"role": "assistant", "content": " ".join(words[(i * j) % 8] for j in range(10))}]}) + "\n" for i in range(24)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": " ".join(words[(i + j) % 8] for j in range(4))},
+                        {"role": "assistant", "content": " ".join(words[(i * j) % 8] for j in range(10))},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(24)
+        )
+    )
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"drafter: medusa\nmodel: {tiny_checkpoint}\nout: {tmp_path / 'heads'}\nwork_dir: {tmp_path / 'work'}\n"
         f"data: {{source: {data}, conversations: null, max_length: 48, regenerate: false, calibration_fraction: 0.1}}\n"
         "labels: {storage: stream, top_k: 4}\n"
         "train: {batch_size: 2, lr: 0.01, warmup_steps: 5, max_steps: 200, checkpoint_every: 10, log_every: 10}\n"
-        "eval: {heldout_prompts: 0}\nmedusa: {num_heads: 2, draft_vocab_size: 0, max_rank: 3, max_tree_nodes: 8}\n")
+        "eval: {heldout_prompts: 0}\nmedusa: {num_heads: 2, draft_vocab_size: 0, max_rank: 3, max_tree_nodes: 8}\n"
+    )
     checkpoints = tmp_path / "work" / "checkpoints-heads"
     command = [sys.executable, "-m", "selfspec.cli", "train", "medusa", "--config", str(recipe)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -10,7 +10,15 @@ from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import Drafter
 from selfspec.sampling import SamplingConfig
-from selfspec.tree_attention import DraftTree, verify, ancestor_matrix, build_tree_inputs, chunk_forward, compact_cache, tree_forward
+from selfspec.tree_attention import (
+    DraftTree,
+    ancestor_matrix,
+    build_tree_inputs,
+    chunk_forward,
+    compact_cache,
+    tree_forward,
+    verify,
+)
 
 from .helpers import CORE_FAMILIES, make_tiny_target
 

@@ -62,7 +62,9 @@ def test_drawn_children_with_q_equal_p_always_accept():
     probs = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(1)), -1)
     t = tree([9, 4, 6], [-1, 0, 1], draft_probs=probs.clone())
     for seed in range(50):
-        result = verify(t, probs.log(), SamplingConfig(temperature=1.0), StepDraws(generator=torch.Generator().manual_seed(seed)))
+        result = verify(
+            t, probs.log(), SamplingConfig(temperature=1.0), StepDraws(generator=torch.Generator().manual_seed(seed))
+        )
         assert result.accepted_path == (0, 1, 2)  # r < p/q = 1 always
 
 
@@ -80,8 +82,9 @@ def test_deterministic_children_accept_the_position_keyed_draw():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5))
     sampling = SamplingConfig(temperature=1.0)
     draws = StepDraws(seed=11, position=3)
-    expected = [draw_token(logits_to_probs(logits[row], sampling), draws.uniform(depth))
-                for depth, row in enumerate([0, 1, 2])]
+    expected = [
+        draw_token(logits_to_probs(logits[row], sampling), draws.uniform(depth)) for depth, row in enumerate([0, 1, 2])
+    ]
     decoy = (expected[0] + 1) % V
     t = tree([9, decoy, expected[0], expected[1]], [-1, 0, 0, 2])
     node_logits = torch.stack([logits[0], logits[3], logits[1], logits[2]])  # the decoy's row is never read

@@ -101,7 +101,8 @@ def load_prompt_file(path: str | Path) -> list[PromptItem]:
         text = _prompt_of(row)
         if not text:
             raise SelfspecError(
-                f"{path}, line {number}: needs a non-empty 'prompt', 'turns' (a list) or 'conversations' with a human turn"
+                f"{path}, line {number}: needs a non-empty 'prompt', 'turns' (a list) "
+                "or 'conversations' with a human turn"
             )
         category = str(row.get("category", "custom")) if isinstance(row, dict) else "custom"
         items.append(PromptItem(str(row.get("id", number)), path.stem, category, text))
@@ -148,7 +149,9 @@ def regenerate() -> None:
         for c in heldout
     ]
     for name, rows in (("mtbench", mtbench), ("humaneval", humaneval), ("sharegpt", sharegpt)):
-        (DATA_DIR / _FILES[name]).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        (DATA_DIR / _FILES[name]).write_text(
+            "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8"
+        )
         print(f"{_FILES[name]}: {len(rows)} prompts")
 
 

@@ -35,7 +35,9 @@ class Row:
     accepted_by_source: dict[str, int] | None = None  # composite drafters (auto): the same per source
 
 
-def aggregate(records: list[RunRecord], temperature: float, cost: Callable[[int], float], by_category: bool = False) -> list[Row]:
+def aggregate(
+    records: list[RunRecord], temperature: float, cost: Callable[[int], float], by_category: bool = False
+) -> list[Row]:
     reference = {r.prompt_id: r.token_ids for r in records if r.method == "hf"}
     keys = sorted({(r.dataset, r.category if by_category else None) for r in records}, key=lambda k: (k[0], k[1] or ""))
     methods = list(dict.fromkeys(r.method for r in records))  # run order: hf, none, drafters, peers
@@ -110,21 +112,31 @@ def source_table(rows: list[Row]) -> str | None:
     if not composite:
         return None
     names = list(dict.fromkeys(name for row in composite for name in row.accepted_by_source))
-    lines = ["| drafter | dataset | accepted draft tokens | " + " | ".join(names) + " |", "|" + "---|" * (3 + len(names))]
+    lines = [
+        "| drafter | dataset | accepted draft tokens | " + " | ".join(names) + " |",
+        "|" + "---|" * (3 + len(names)),
+    ]
     for row in composite:
         total = row.accepted_draft_tokens
-        cells = [f"{row.accepted_by_source.get(name, 0)} ({row.accepted_by_source.get(name, 0) / max(1, total):.0%})"
-                 if name in row.accepted_by_source else "-" for name in names]
+        cells = [
+            f"{row.accepted_by_source.get(name, 0)} ({row.accepted_by_source.get(name, 0) / max(1, total):.0%})"
+            if name in row.accepted_by_source
+            else "-"
+            for name in names
+        ]
         lines.append(f"| {row.drafter} | {row.dataset} | {total} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def write_outputs(out_dir: Path, meta: dict, rows: list[Row], category_rows: list[Row], records: list[RunRecord]) -> list[Path]:
+def write_outputs(
+    out_dir: Path, meta: dict, rows: list[Row], category_rows: list[Row], records: list[RunRecord]
+) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     as_dicts = lambda items: [item.__dict__ for item in items]  # noqa: E731
     results = {"meta": meta, "rows": as_dicts(rows), "category_rows": as_dicts(category_rows)}
     results["runs"] = [
-        {k: v for k, v in r.__dict__.items() if k not in ("token_ids", "accepted_lengths", "tree_sizes")} for r in records
+        {k: v for k, v in r.__dict__.items() if k not in ("token_ids", "accepted_lengths", "tree_sizes")}
+        for r in records
     ]
     written = [out_dir / "results.json", out_dir / "results.md"]
     atomic_write_text(written[0], json.dumps(results, indent=1))
@@ -155,7 +167,9 @@ def _charts(out_dir: Path, rows: list[Row], category_rows: list[Row]) -> list[Pa
     figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(datasets) * len(methods) / 2), 4))
     width = 0.8 / max(1, len(methods))
     for offset, method in enumerate(methods):
-        values = [next((r.speedup_vs_hf or 0 for r in rows if r.drafter == method and r.dataset == d), 0) for d in datasets]
+        values = [
+            next((r.speedup_vs_hf or 0 for r in rows if r.drafter == method and r.dataset == d), 0) for d in datasets
+        ]
         axis.bar([i + offset * width for i in range(len(datasets))], values, width, label=method)
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(datasets))], datasets)
@@ -168,7 +182,10 @@ def _charts(out_dir: Path, rows: list[Row], category_rows: list[Row]) -> list[Pa
     figure, axis = plt.subplots(figsize=(max(6, 0.5 * len(categories) * max(1, len(drafters))), 4))
     width = 0.8 / max(1, len(drafters))
     for offset, method in enumerate(drafters):
-        values = [next((r.tau for r in category_rows if r.drafter == method and f"{r.dataset}/{r.category}" == c), 0) for c in categories]
+        values = [
+            next((r.tau for r in category_rows if r.drafter == method and f"{r.dataset}/{r.category}" == c), 0)
+            for c in categories
+        ]
         axis.bar([i + offset * width for i in range(len(categories))], values, width, label=method)
     axis.set_xticks(range(len(categories)), categories, rotation=45, ha="right", fontsize=8)
     axis.set_ylabel("mean accepted length (tau)")

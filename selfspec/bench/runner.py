@@ -75,7 +75,12 @@ def _hf_method(target: Target, settings: BenchSettings, **generate_kwargs) -> Me
     counter = _ForwardCounter(target)
     sampling = {"do_sample": False}
     if settings.temperature > 0:
-        sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": settings.top_k or None, "top_p": settings.top_p}
+        sampling = {
+            "do_sample": True,
+            "temperature": settings.temperature,
+            "top_k": settings.top_k or None,
+            "top_p": settings.top_p,
+        }
     eos = list(target.eos_token_ids) or None
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
@@ -105,15 +110,18 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
         before = drafter.stats()
         # Verified on the drafter's target: Medusa-2 heads draft for (and decode) an adapted copy of the shared one.
-        tokens, stats = speculative_generate(drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed,
-                                             pace=settings.pace, pacing=pacing)
+        tokens, stats = speculative_generate(
+            drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed, pace=settings.pace, pacing=pacing
+        )
         by_source = tuple((drafter.stats().accepted_since(before) or {}).items())
         return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes, by_source)
 
     return run
 
 
-def build_methods(target: Target, drafters: list[str], peers: list[str], settings: BenchSettings, heads: Path | None = None) -> dict[str, Method]:
+def build_methods(
+    target: Target, drafters: list[str], peers: list[str], settings: BenchSettings, heads: Path | None = None
+) -> dict[str, Method]:
     """The baseline `hf`, then `none` (always: speed-ups are also reported against it), the drafters, the peers.
     `heads` goes to the drafters of its kind and to composite ones (auto hands it to its source of that kind); the
     other drafters with trained parts read the heads shipped for the target."""
@@ -197,7 +205,9 @@ def run_benchmark(
     for index, (item, input_ids) in enumerate(zip(prompts, encoded)):
         for name in names[index % len(names) :] + names[: index % len(names)]:
             bar.set_postfix_str(f"{item.dataset}:{item.id} {name}")
-            output, wall, peak = _timed(methods[name], target, input_ids, settings.max_new_tokens, settings.seed + index)
+            output, wall, peak = _timed(
+                methods[name], target, input_ids, settings.max_new_tokens, settings.seed + index
+            )
             records.append(
                 RunRecord(
                     method=name,

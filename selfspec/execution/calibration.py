@@ -59,10 +59,16 @@ def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module]) -> None:
         return
     shapes = sorted(tuple(module.weight.shape) for module in modules)
     signature = hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]
-    path = cache_root() / "profiles" / f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads--linears-{signature}--stock-rows.json"
+    path = (
+        cache_root()
+        / "profiles"
+        / f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads--linears-{signature}--stock-rows.json"
+    )
     if path.is_file():
         dispatch.stock_rows, dispatch.source = int(json.loads(path.read_text())["stock_rows"]), str(path)
         return
     dispatch.stock_rows, timings = measure_stock_rows(modules, dispatch)
     dispatch.source = f"measured, stored in {path}"
-    atomic_write_text(path, json.dumps({"stock_rows": dispatch.stock_rows, "ms_stock_packed": timings}, indent=1) + "\n")
+    atomic_write_text(
+        path, json.dumps({"stock_rows": dispatch.stock_rows, "ms_stock_packed": timings}, indent=1) + "\n"
+    )

@@ -49,8 +49,15 @@ def cpu_model() -> str:
 def describe_cpu() -> str:
     """One line for reports: the model name and the widest instruction set that matters here."""
     capabilities = detect_capabilities()
-    isa = ("AMX" if capabilities.amx_bf16 else "AVX-512" if capabilities.avx512 else "AVX2" if capabilities.avx2
-           else "no AVX2")
+    isa = (
+        "AMX"
+        if capabilities.amx_bf16
+        else "AVX-512"
+        if capabilities.avx512
+        else "AVX2"
+        if capabilities.avx2
+        else "no AVX2"
+    )
     return f"{cpu_model() or platform.machine()}, {isa}"
 
 

@@ -61,10 +61,14 @@ def package_dir(model: torch.nn.Module, model_name: str) -> Path:
     """Where the packages of `model` live: one directory per model weights, dtype (the digest samples the values as
     float32, so a bfloat16 copy of the same weights would otherwise share it), package format, kind of CPU, thread
     count and software versions."""
-    versions = f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    versions = (
+        f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    )
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    key = (f"{Path(model_name).name}--{weights_digest(model)}--{dtype}--format{PACKAGE_FORMAT}"
-           f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}")
+    key = (
+        f"{Path(model_name).name}--{weights_digest(model)}--{dtype}--format{PACKAGE_FORMAT}"
+        f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"
+    )
     return cache_root() / "compiled" / key.replace("/", "_")
 
 
@@ -103,8 +107,14 @@ class _Step(torch.nn.Module):
         cache = DynamicCache(config=self.model.config)
         cache.layers = [_StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores)]
         mask = torch.cat([tree_mask.new_zeros(1, 1, n, cached), tree_mask], dim=-1)  # the whole cache, then the tree
-        output = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                            past_key_values=cache, use_cache=True, output_hidden_states=True)
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         return output.logits, tuple(output.hidden_states)
 
 
@@ -113,10 +123,18 @@ def _example(model: torch.nn.Module, rows: int) -> tuple:
     dtype = next(model.parameters()).dtype
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    stores = [torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
+    stores = [
+        torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)
+    ]
     positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows)
-    return (torch.zeros(1, rows, dtype=torch.long), positions, causal_block_mask(0, rows, dtype, "cpu"), torch.empty(0, _EXAMPLE_CACHED),
-            stores, [store.clone() for store in stores])
+    return (
+        torch.zeros(1, rows, dtype=torch.long),
+        positions,
+        causal_block_mask(0, rows, dtype, "cpu"),
+        torch.empty(0, _EXAMPLE_CACHED),
+        stores,
+        [store.clone() for store in stores],
+    )
 
 
 def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
@@ -125,14 +143,21 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
 
     low, high = GRAPHS[kind]
     rows, layers = Dim(f"{kind}_rows", min=low, max=high), model.config.num_hidden_layers
-    shapes = {"input_ids": {1: rows}, "position_ids": {1: rows}, "tree_mask": {2: rows, 3: rows},
-              "cached_marker": {1: Dim("cached", min=MIN_CACHED, max=1 << 20)},
-              "key_stores": [{2: Dim.AUTO}] * layers, "value_stores": [{2: Dim.AUTO}] * layers}
+    shapes = {
+        "input_ids": {1: rows},
+        "position_ids": {1: rows},
+        "tree_mask": {2: rows, 3: rows},
+        "cached_marker": {1: Dim("cached", min=MIN_CACHED, max=1 << 20)},
+        "key_stores": [{2: Dim.AUTO}] * layers,
+        "value_stores": [{2: Dim.AUTO}] * layers,
+    }
     example = _example(model, min(max(low, 6), high))
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
     # `tree` freezes the weights (packed into the package); `few` reads the model's own (see CompiledStep.load).
-    options = {"freezing": True} if kind == "tree" else {"freezing": False, "aot_inductor.package_constants_in_so": False}
+    options = (
+        {"freezing": True} if kind == "tree" else {"freezing": False, "aot_inductor.package_constants_in_so": False}
+    )
     try:
         with torch.no_grad(), warnings.catch_warnings():  # Inductor freezes the weights only without autograd
             warnings.simplefilter("ignore")  # PyTorch's own deprecation notices while tracing: not the user's concern
@@ -167,8 +192,10 @@ class CompiledStep:
             path = self.directory / f"{kind}.pt2"
             if not path.is_file():
                 began = time.perf_counter()
-                self.log(f"[selfspec] compiling the target's '{kind}' step for this machine ({index + 1}/2; once, "
-                         f"a minute or two; stored in {self.directory})")
+                self.log(
+                    f"[selfspec] compiling the target's '{kind}' step for this machine ({index + 1}/2; once, "
+                    f"a minute or two; stored in {self.directory})"
+                )
                 compile_step(self.model, kind, path)
                 self.log(f"[selfspec] compiled the '{kind}' step in {time.perf_counter() - began:.0f} s")
             runners[kind] = torch._inductor.aoti_load_package(str(path))
@@ -177,34 +204,59 @@ class CompiledStep:
         own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
         needed = runners["few"].get_constant_fqns()
         if any(name not in own for name in needed):
-            raise SelfspecError(f"the compiled step in {self.directory} expects weights this model does not have: delete it")
+            raise SelfspecError(
+                f"the compiled step in {self.directory} expects weights this model does not have: delete it"
+            )
         runners["few"].load_constants({name: own[name] for name in needed}, check_full_update=True, user_managed=True)
         self.runners = runners
 
     def route(self, eager):
         """The model's forward while the path is active: a decoding step the compiled graphs cover goes to them,
         anything else (prefill, other arguments) to `eager`, the model's own forward."""
-        handled = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "output_hidden_states"}
+        handled = {
+            "input_ids",
+            "position_ids",
+            "attention_mask",
+            "past_key_values",
+            "use_cache",
+            "output_hidden_states",
+        }
 
         def forward(*args, **kwargs):
             input_ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
-            if (args or kwargs.get("use_cache") is False
-                    or any(value is not None for key, value in kwargs.items() if key not in handled)
-                    or not self.eligible(input_ids, cache, kwargs)):
+            if (
+                args
+                or kwargs.get("use_cache") is False
+                or any(value is not None for key, value in kwargs.items() if key not in handled)
+                or not self.eligible(input_ids, cache, kwargs)
+            ):
                 return eager(*args, **kwargs)
-            return self(input_ids, kwargs.get("position_ids"), kwargs.get("attention_mask"), cache,
-                        bool(kwargs.get("output_hidden_states")))
+            return self(
+                input_ids,
+                kwargs.get("position_ids"),
+                kwargs.get("attention_mask"),
+                cache,
+                bool(kwargs.get("output_hidden_states")),
+            )
 
         return forward
 
     def eligible(self, input_ids, cache, kwargs) -> bool:
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not 1 <= input_ids.shape[1] <= MAX_TREE_ROWS:
+        if (
+            input_ids is None
+            or input_ids.dim() != 2
+            or input_ids.shape[0] != 1
+            or not 1 <= input_ids.shape[1] <= MAX_TREE_ROWS
+        ):
             return False
         if kwargs.get("inputs_embeds") is not None or not isinstance(cache, DynamicCache) or not cache.layers:
             return False
         layers = cache.layers
-        return (all(type(layer) is InPlaceLayer and layer.storage is not None for layer in layers)
-                and len({layer.length for layer in layers}) == 1 and layers[0].length >= MIN_CACHED)
+        return (
+            all(type(layer) is InPlaceLayer and layer.storage is not None for layer in layers)
+            and len({layer.length for layer in layers}) == 1
+            and layers[0].length >= MIN_CACHED
+        )
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: DynamicCache, output_hidden_states: bool):
         """One step through the compiled graphs; the cache's in-place layers take the new positions."""
@@ -217,7 +269,9 @@ class CompiledStep:
         elif attention_mask.dim() == 4 and attention_mask.shape[-2:] == (n, cached + n):
             tree_mask = attention_mask[..., cached:]
         else:
-            raise SelfspecError(f"compiled step: expected a [1, 1, {n}, {cached + n}] mask, got {tuple(attention_mask.shape)}")
+            raise SelfspecError(
+                f"compiled step: expected a [1, 1, {n}, {cached + n}] mask, got {tuple(attention_mask.shape)}"
+            )
         rows = n
         if n == 1:  # padded to the `few` graph's two rows: a dummy second row that sees only itself
             rows = 2
@@ -227,8 +281,13 @@ class CompiledStep:
             layer.reserve(cached + rows)
         stores = ([layer.storage[0] for layer in cache.layers], [layer.storage[1] for layer in cache.layers])
         graph = self.runners["few" if rows <= GRAPHS["few"][1] else "tree"]
-        logits, hidden = graph(input_ids, position_ids, tree_mask.to(dtype).contiguous(), torch.empty(0, cached), *stores)
+        logits, hidden = graph(
+            input_ids, position_ids, tree_mask.to(dtype).contiguous(), torch.empty(0, cached), *stores
+        )
         for layer in cache.layers:
             layer.mark_filled(cached + n)  # a dummy row's key and value stay outside the length
-        return CausalLMOutputWithPast(logits=logits[:, :n], past_key_values=cache,
-                                      hidden_states=tuple(state[:, :n] for state in hidden) if output_hidden_states else None)
+        return CausalLMOutputWithPast(
+            logits=logits[:, :n],
+            past_key_values=cache,
+            hidden_states=tuple(state[:, :n] for state in hidden) if output_hidden_states else None,
+        )

@@ -41,7 +41,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
 
 
-def packed_linear(hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(
+    hidden: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """hidden [..., in] x a packed weight (+ bias) -> [..., out]."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # [..., in] -> [rows, in]
     output = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -75,7 +77,9 @@ class SharedInputProduct:
         self.layers, self.dispatch = layers, dispatch
         with torch.no_grad():
             self.packed = pack_weight(torch.cat([layer.weight for layer in layers]))
-            biases = [layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]
+            biases = [
+                layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers
+            ]
             self.bias = None if all(layer.bias is None for layer in layers) else torch.cat(biases).detach()
         ends = torch.tensor([layer.out_features for layer in layers]).cumsum(0).tolist()
         self.bounds = list(zip([0] + ends[:-1], ends))
@@ -126,8 +130,12 @@ class ModuleSwap:
 
 def plain_linears(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
     """(parent, attribute, layer) for every plain nn.Linear inside `module`."""
-    return [(parent, attribute, child) for parent in module.modules() for attribute, child in parent.named_children()
-            if type(child) is torch.nn.Linear]
+    return [
+        (parent, attribute, child)
+        for parent in module.modules()
+        for attribute, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
 
 
 def _shared_input_swaps(module: torch.nn.Module, dispatch: RowDispatch) -> list[ModuleSwap]:
@@ -135,11 +143,15 @@ def _shared_input_swaps(module: torch.nn.Module, dispatch: RowDispatch) -> list[
     for parent in module.modules():
         for names in SHARED_INPUT_GROUPS:
             layers = [getattr(parent, name, None) for name in names]
-            if all(type(layer) is torch.nn.Linear for layer in layers) and len({(layer.in_features, layer.weight.dtype)
-                                                                                 for layer in layers}) == 1:
+            if (
+                all(type(layer) is torch.nn.Linear for layer in layers)
+                and len({(layer.in_features, layer.weight.dtype) for layer in layers}) == 1
+            ):
                 product = SharedInputProduct(layers, dispatch)
-                swaps += [ModuleSwap(parent, name, layer, SharedInputLinear(layer, product, index))
-                          for index, (name, layer) in enumerate(zip(names, layers))]
+                swaps += [
+                    ModuleSwap(parent, name, layer, SharedInputLinear(layer, product, index))
+                    for index, (name, layer) in enumerate(zip(names, layers))
+                ]
     return swaps
 
 
@@ -149,8 +161,11 @@ def linear_swaps(model: torch.nn.Module, dispatch: RowDispatch) -> list[ModuleSw
     with torch.no_grad():
         swaps = _shared_input_swaps(model, dispatch)
         shared = {id(swap.stock) for swap in swaps}
-        swaps += [ModuleSwap(parent, attribute, child, PackedLinear(child, dispatch))
-                  for parent, attribute, child in plain_linears(model) if id(child) not in shared]
+        swaps += [
+            ModuleSwap(parent, attribute, child, PackedLinear(child, dispatch))
+            for parent, attribute, child in plain_linears(model)
+            if id(child) not in shared
+        ]
     return swaps
 
 

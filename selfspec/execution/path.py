@@ -34,11 +34,20 @@ class ExecutionPath:
     ahead of time), or 'auto' (the best of these that exists here: selection.py). Building one is cheap: packing,
     calibrating and compiling wait for the first `active()`."""
 
-    def __init__(self, model: torch.nn.Module, kernels: str = "auto", model_name: str = "model",
-                 capabilities: CpuCapabilities | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kernels: str = "auto",
+        model_name: str = "model",
+        capabilities: CpuCapabilities | None = None,
+    ):
         """capabilities: this machine's unless given (tests pass in other machines')."""
-        choice = select_path(kernels, model_traits(model), capabilities or detect_capabilities(),
-                             auto_compiles=os.environ.get(COMPILE_ENV, "1") != "0")
+        choice = select_path(
+            kernels,
+            model_traits(model),
+            capabilities or detect_capabilities(),
+            auto_compiles=os.environ.get(COMPILE_ENV, "1") != "0",
+        )
         self.model = model
         self.requested = kernels
         self.name, self.note = choice.name, choice.note
@@ -98,20 +107,24 @@ class ExecutionPath:
         except Exception as error:  # noqa: BLE001  (export and C++ compilation fail in many ways)
             reason = first_line(error)[:200]
             if self.requested == "compiled":
-                raise SelfspecError(f"--kernels compiled: compiling the step failed ({reason}); use --kernels fast") from None
+                raise SelfspecError(
+                    f"--kernels compiled: compiling the step failed ({reason}); use --kernels fast"
+                ) from None
             print(f"[selfspec] no compiled step ({reason}): the fast path runs", file=sys.stderr, flush=True)
             self.name, self.note, self.compiled = "fast", f"no compiled step: {reason}", None
 
     def pack(self, module: torch.nn.Module) -> bool:
         """For a drafter's own frozen, inference-only modules (its heads): on `fast` and `compiled`, every nn.Linear
-        inside is swapped for good for a packed one, as the target's are inside `active()`. Returns whether it packed."""
+        inside is swapped for good for a packed one, as the target's are inside `active()`. Returns whether it
+        packed."""
         if self.name == "stock":
             return False
         pack_linears_for_good(module, self.dispatch)
         return True
 
     def new_cache(self) -> DynamicCache:
-        """A KV cache for this path: on `fast` and `compiled`, full-attention layers are written in place (InPlaceLayer)."""
+        """A KV cache for this path: on `fast` and `compiled`, full-attention layers are written in place
+        (InPlaceLayer)."""
         cache = DynamicCache(config=self.model.config)
         if self.name != "stock":
             cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]

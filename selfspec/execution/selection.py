@@ -50,7 +50,9 @@ class PathChoice:
     note: str = ""  # under `auto`, why a faster path does not run here ("" when none is missing)
 
 
-def fast_path_available(device: torch.device | str, dtype: torch.dtype, cpu: CpuCapabilities | None = None) -> tuple[bool, str]:
+def fast_path_available(
+    device: torch.device | str, dtype: torch.dtype, cpu: CpuCapabilities | None = None
+) -> tuple[bool, str]:
     """(whether `fast` differs from `stock` here, why not if it does not); `cpu`: this machine's when not given."""
     device_type = torch.device(device).type
     if device_type != "cpu":

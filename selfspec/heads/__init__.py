@@ -2,9 +2,9 @@
 
 from . import auto, dflash, eagle, layerskip, lookup, medusa, none  # noqa: F401  (registration side effect)
 from .base import (
-    DraftRequest,
     Drafter,
     DrafterEntry,
+    DraftRequest,
     Observation,
     create_drafter,
     drafter_entry,

@@ -50,7 +50,11 @@ def save_head(
         document = {"drafter": drafter, "config": to_dict(config), "data": extra or {}}
         (temp / CONFIG).write_text(json.dumps(document, indent=1) + "\n")
         metadata = {"fingerprint": json.dumps(fingerprint.to_dict()), "drafter": drafter}
-        save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, str(temp / WEIGHTS), metadata=metadata)
+        save_file(
+            {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()},
+            str(temp / WEIGHTS),
+            metadata=metadata,
+        )
         if write_adapter is not None:
             write_adapter(temp / ADAPTER)
     return Path(directory)
@@ -73,7 +77,9 @@ def load_head(directory: Path, drafter: str, config_cls, target: Target) -> Head
     if not isinstance(document, dict) or set(document) != {"drafter", "config", "data"}:
         raise SelfspecError(f"{config_path}: expected the keys drafter, config, data")
     if document["drafter"] != drafter:
-        raise SelfspecError(f"'{directory}' holds '{document['drafter']}' heads, not '{drafter}': use --drafter {document['drafter']}")
+        raise SelfspecError(
+            f"'{directory}' holds '{document['drafter']}' heads, not '{drafter}': use --drafter {document['drafter']}"
+        )
     config = from_dict(config_cls, document["config"], where=str(config_path))
     try:
         with safe_open(str(weights_path), framework="pt") as file:
@@ -149,7 +155,8 @@ def find_shipped_head(target: Target, drafter: str, config_cls) -> Path:
         except SelfspecError:
             continue
     raise SelfspecError(
-        f"no shipped '{drafter}' heads match this model: train some with `selfspec train {drafter}` and pass --heads DIR"
+        f"no shipped '{drafter}' heads match this model: train some with `selfspec train {drafter}` and pass --heads "
+        f"DIR"
     )
 
 

@@ -119,7 +119,8 @@ class Drafter(ABC):
 
     @classmethod
     def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options) -> "Drafter":
-        """Build the drafter for `target` from typed options. Drafters without trained parts reject a heads directory."""
+        """Build the drafter for `target` from typed options. Drafters without trained parts reject a heads
+        directory."""
         if heads_dir is not None:
             raise SelfspecError(f"drafter '{cls.name}' has no trained heads: drop --heads")
         return cls(target, cost_curve, options)
@@ -129,8 +130,11 @@ class Drafter(ABC):
         if self.options is None:
             return self.name
         default = type(self.options)()
-        changed = [f"{f.name}={format_option(getattr(self.options, f.name))}" for f in fields(self.options)
-                   if getattr(self.options, f.name) != getattr(default, f.name)]
+        changed = [
+            f"{f.name}={format_option(getattr(self.options, f.name))}"
+            for f in fields(self.options)
+            if getattr(self.options, f.name) != getattr(default, f.name)
+        ]
         return self.name + (":" + ",".join(changed) if changed else "")
 
     def reset(self) -> None:
@@ -170,8 +174,14 @@ class DrafterEntry:
 _REGISTRY: dict[str, DrafterEntry] = {}
 
 
-def register_drafter(name: str, options: type = NoOptions, config: type | None = None, recipe: str | None = None,
-                     composite: bool = False, paces_itself: bool = False) -> Callable[[type[Drafter]], type[Drafter]]:
+def register_drafter(
+    name: str,
+    options: type = NoOptions,
+    config: type | None = None,
+    recipe: str | None = None,
+    composite: bool = False,
+    paces_itself: bool = False,
+) -> Callable[[type[Drafter]], type[Drafter]]:
     def decorate(cls: type[Drafter]) -> type[Drafter]:
         if name in _REGISTRY and _REGISTRY[name].drafter_cls is not cls:
             raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].drafter_cls.__name__}")

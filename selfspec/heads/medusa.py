@@ -27,7 +27,7 @@ from ..errors import SelfspecError, first_line
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import ADAPTER, LoadedHead
-from .base import DraftRequest, DrafterStats, Observation, check_at_least_one, register_drafter
+from .base import DrafterStats, DraftRequest, Observation, check_at_least_one, register_drafter
 from .vocab import ReducedVocabHead, VocabHeadDrafter
 
 
@@ -80,7 +80,8 @@ class MedusaHeads(ReducedVocabHead):
         hidden_size = target.config.hidden_size
         self.config = config
         self.heads = torch.nn.ModuleList(
-            torch.nn.Sequential(*(ResBlock(hidden_size) for _ in range(config.num_layers))) for _ in range(config.num_heads)
+            torch.nn.Sequential(*(ResBlock(hidden_size) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads)
         )
         self.attach_draft_vocab(target.model.get_output_embeddings().weight, draft_vocab)
 
@@ -106,7 +107,9 @@ class TreeTemplate:
         parents, flat = [-1], []
         for path in paths:
             if path[:-1] not in node_of:
-                raise SelfspecError(f"the Medusa tree lists path {path} before its parent: rebuild it with `selfspec medusa-tree`")
+                raise SelfspecError(
+                    f"the Medusa tree lists path {path} before its parent: rebuild it with `selfspec medusa-tree`"
+                )
             node_of[path] = len(parents)
             parents.append(node_of[path[:-1]])
             flat.append((len(path) - 1) * max_rank + path[-1])  # row (head) * ranks + rank in [K, max_rank]
@@ -123,13 +126,21 @@ class TreeTemplate:
         return DraftTree(tokens=torch.cat([root, tokens]), parents=self.parents[:nodes])
 
 
-@register_drafter("medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa")
+@register_drafter(
+    "medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa"
+)
 class MedusaDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)
     head_cls = MedusaHeads
 
-    def __init__(self, target: Target, cost_curve: CostCurve, heads: MedusaHeads, tree: dict,
-                 options: MedusaOptions = MedusaOptions()):
+    def __init__(
+        self,
+        target: Target,
+        cost_curve: CostCurve,
+        heads: MedusaHeads,
+        tree: dict,
+        options: MedusaOptions = MedusaOptions(),
+    ):
         super().__init__(target, cost_curve, heads, options)
         paths = [tuple(path) for path in tree.get("paths", [])]
         values = [float(v) for v in tree.get("values", [])]
@@ -138,7 +149,11 @@ class MedusaDrafter(VocabHeadDrafter):
         # The largest tree worth verifying even if every value were right; each step verifies the best prefix of it
         # for the values as calibrated by what the verifier has been accepting (`max_nodes` fixes the size).
         largest = self.fixed_nodes if self.fixed_nodes is not None else cost_curve.best_size(values)[0]
-        kept = [(p, v) for p, v in zip(paths[: largest - 1], values) if max(p) < heads.config.max_rank and len(p) <= heads.num_heads]
+        kept = [
+            (p, v)
+            for p, v in zip(paths[: largest - 1], values)
+            if max(p) < heads.config.max_rank and len(p) <= heads.num_heads
+        ]
         paths, self.values = [p for p, _ in kept], [v for _, v in kept]
         self.tree_nodes = self.max_nodes = len(paths) + 1
         self.max_rank = 1 + max((max(p) for p in paths), default=0)
@@ -150,7 +165,9 @@ class MedusaDrafter(VocabHeadDrafter):
         self.fixed_nodes = options.max_nodes
 
     @classmethod
-    def from_loaded(cls, target: Target, cost_curve: CostCurve, loaded: LoadedHead, options: MedusaOptions) -> "MedusaDrafter":
+    def from_loaded(
+        cls, target: Target, cost_curve: CostCurve, loaded: LoadedHead, options: MedusaOptions
+    ) -> "MedusaDrafter":
         """The tree shape is data beside the weights; Medusa-2 heads draft for (and on) their own adapted target."""
         if (loaded.directory / ADAPTER).is_dir():
             target = adapted_target(target, loaded.directory / ADAPTER)
@@ -189,15 +206,19 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
     if key in target.adapters:
         return target
     if target.adapters:
-        raise SelfspecError(f"this target already carries adapter {target.adapters[0]}: load a fresh target for other heads")
+        raise SelfspecError(
+            f"this target already carries adapter {target.adapters[0]}: load a fresh target for other heads"
+        )
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     try:
         model = _sharing_copy(target.model)
     except (RuntimeError, TypeError, NotImplementedError, copy.Error) as error:
-        raise SelfspecError(f"Medusa-2 heads need a copy of the target to merge their adapter into, and this model "
-                            f"cannot be copied ({first_line(error)}): use Medusa-1 heads or another drafter") from None
+        raise SelfspecError(
+            f"Medusa-2 heads need a copy of the target to merge their adapter into, and this model "
+            f"cannot be copied ({first_line(error)}): use Medusa-1 heads or another drafter"
+        ) from None
     adapted = PeftModel.from_pretrained(model, str(adapter_dir))
     with torch.no_grad():
         for module in adapted.modules():  # the merge adds to these weights in place: give them memory of their own
@@ -205,8 +226,9 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
                 for weight in module.get_base_layer().parameters(recurse=False):
                     weight.data = weight.data.clone()
     model = adapted.merge_and_unload()
-    adapted_target = Target(model=model, tokenizer=target.tokenizer, name=target.name, adapters=[key],
-                            kernels=target.kernels)
+    adapted_target = Target(
+        model=model, tokenizer=target.tokenizer, name=target.name, adapters=[key], kernels=target.kernels
+    )
     return adapted_target.with_eos(target.eos_token_ids)
 
 

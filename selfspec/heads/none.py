@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..tree_attention import DraftTree
-from .base import DraftRequest, Drafter, register_drafter
+from .base import Drafter, DraftRequest, register_drafter
 
 
 @register_drafter("none")

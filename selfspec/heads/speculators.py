@@ -30,7 +30,9 @@ from ..files import atomic_directory
 from ..models import Target
 from .artifacts import CONFIG, WEIGHTS, HeadArtifact, load_state_strict, load_vocab_head, save_head
 
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this follows (checked by tests/test_speculators.py)
+SPECULATORS_VERSION = (
+    "0.9.0"  # the speculators release whose format this follows (checked by tests/test_speculators.py)
+)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ARCHITECTURES = {"eagle3": "Eagle3Speculator", "dflash": "DFlashSpeculator"}
 
@@ -63,7 +65,8 @@ def resolve_aux_layers(drafter: str, layers: tuple[int, ...], num_layers: int) -
 
 
 def config_document(config, dtype: str, **overrides) -> dict:
-    """A transformers config as speculators stores a draft layer's: its diff dict without the checkpoint's bookkeeping."""
+    """A transformers config as speculators stores a draft layer's: its diff dict without the checkpoint's
+    bookkeeping."""
     document = config.to_diff_dict()
     for key in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         document.pop(key, None)
@@ -105,10 +108,18 @@ def write_speculators(out: Path, target: Target, draft: SpeculatorsDraft, dtype:
         "speculators_config": {
             "algorithm": draft.kind,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft.speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": draft.verifier,
-                         "architectures": list(getattr(target.config, "architectures", None) or [])},
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": draft.speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {
+                "name_or_path": draft.verifier,
+                "architectures": list(getattr(target.config, "architectures", None) or []),
+            },
         },
     }
     with atomic_directory(out) as temp:
@@ -127,7 +138,11 @@ def read_speculators(directory: Path, target: Target, kind: str, expected_layer:
     document = json.loads((directory / CONFIG).read_text())
     layer = document.get("transformer_layer_config") or {}
     where = f"'{directory}'"
-    wrong = [f"{key} {layer.get(key)!r} (this model: {value!r})" for key, value in expected_layer.items() if layer.get(key) != value]
+    wrong = [
+        f"{key} {layer.get(key)!r} (this model: {value!r})"
+        for key, value in expected_layer.items()
+        if layer.get(key) != value
+    ]
     if document.get("target_hidden_size") not in (None, target.config.hidden_size):
         wrong.append(f"target_hidden_size {document['target_hidden_size']!r} (this model: {target.config.hidden_size})")
     if wrong:
@@ -147,10 +162,28 @@ def read_speculators(directory: Path, target: Target, kind: str, expected_layer:
         del state[name]  # training-only copies of the verifier's norm and LM head
     proposal = ((document.get("speculators_config") or {}).get("proposal_methods") or [{}])[0]
     verifier = ((document.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    fields = {key: value for key, value in document.items() if key not in (
-        "architectures", "speculators_model_type", "speculators_version", "transformer_layer_config", "speculators_config")}
-    return SpeculatorsDraft(kind, fields, layer, {name: tensor.float() for name, tensor in state.items()}, draft_vocab,
-                            int(proposal.get("speculative_tokens") or 0), verifier, own_lm_head)
+    fields = {
+        key: value
+        for key, value in document.items()
+        if key
+        not in (
+            "architectures",
+            "speculators_model_type",
+            "speculators_version",
+            "transformer_layer_config",
+            "speculators_config",
+        )
+    }
+    return SpeculatorsDraft(
+        kind,
+        fields,
+        layer,
+        {name: tensor.float() for name, tensor in state.items()},
+        draft_vocab,
+        int(proposal.get("speculative_tokens") or 0),
+        verifier,
+        own_lm_head,
+    )
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -169,11 +202,19 @@ def _draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, where: str) ->
     if d2t is None:
         return torch.arange(vocab_size)
     draft_vocab = torch.arange(len(d2t)) + d2t.long()
-    valid = bool(((draft_vocab >= 0) & (draft_vocab < vocab_size)).all()) and len(set(draft_vocab.tolist())) == len(draft_vocab)
+    valid = bool(((draft_vocab >= 0) & (draft_vocab < vocab_size)).all()) and len(set(draft_vocab.tolist())) == len(
+        draft_vocab
+    )
     if valid and t2d is not None:
-        valid = t2d.shape == (vocab_size,) and int(t2d.bool().sum()) == len(draft_vocab) and bool(t2d.bool()[draft_vocab].all())
+        valid = (
+            t2d.shape == (vocab_size,)
+            and int(t2d.bool().sum()) == len(draft_vocab)
+            and bool(t2d.bool()[draft_vocab].all())
+        )
     if not valid:
-        raise SelfspecError(f"{where}: d2t and t2d do not describe a draft vocabulary of this model's {vocab_size} tokens")
+        raise SelfspecError(
+            f"{where}: d2t and t2d do not describe a draft vocabulary of this model's {vocab_size} tokens"
+        )
     return draft_vocab
 
 
@@ -183,7 +224,9 @@ def _close(stored: torch.Tensor, reference: torch.Tensor) -> bool:
         return False
     reference = reference.detach().float().cpu()
     tolerance = 1e-5 if stored.dtype == torch.float32 else 1e-2
-    return bool(torch.allclose(stored.float(), reference, rtol=tolerance, atol=tolerance * float(reference.abs().max())))
+    return bool(
+        torch.allclose(stored.float(), reference, rtol=tolerance, atol=tolerance * float(reference.abs().max()))
+    )
 
 
 def check_directory(source: Path, kinds: tuple[str, ...]) -> str:
@@ -193,14 +236,19 @@ def check_directory(source: Path, kinds: tuple[str, ...]) -> str:
         raise SelfspecError(f"'{source}' has no config.json: pass a speculators directory ({' or '.join(kinds)})")
     kind = speculators_type(source)
     if kind is None:
-        raise SelfspecError(f"'{source}' is not a speculators directory (its config.json has no speculators_model_type)")
+        raise SelfspecError(
+            f"'{source}' is not a speculators directory (its config.json has no speculators_model_type)"
+        )
     if kind not in kinds:
-        raise SelfspecError(f"'{source}' holds a speculators '{kind}' drafter: selfspec imports {' and '.join(kinds)} only")
+        raise SelfspecError(
+            f"'{source}' holds a speculators '{kind}' drafter: selfspec imports {' and '.join(kinds)} only"
+        )
     return kind
 
 
 def build_imported(head_class, artifact: HeadArtifact, target: Target, where: Path):
-    """The head an imported artifact describes, its weights loaded strictly (every weight present, every shape right)."""
+    """The head an imported artifact describes, its weights loaded strictly (every weight present, every shape
+    right)."""
     head = head_class(artifact.config, target, artifact.state["draft_vocab"])
     load_state_strict(head, artifact.state, where)
     return head

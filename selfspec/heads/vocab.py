@@ -22,9 +22,9 @@ import torch
 from ..cost import CostCurve
 from ..execution import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
+from ..pacing import AcceptanceCalibration
 from ..tree_attention import DraftTree
 from .artifacts import HeadArtifact, LoadedHead, load_vocab_head
-from ..pacing import AcceptanceCalibration
 from .base import Drafter, DrafterStats, Observation, drafter_entry
 from .speculators import load_imported, speculators_type
 
@@ -36,7 +36,9 @@ class ReducedVocabHead(torch.nn.Module):
 
     own_lm_head: bool = False  # drafts through its own `lm_head` rather than the target's draft rows
 
-    def attach_draft_vocab(self, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor, own_lm_head: bool = False) -> None:
+    def attach_draft_vocab(
+        self, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor, own_lm_head: bool = False
+    ) -> None:
         self.register_buffer("draft_vocab", draft_vocab.long().clone())  # [V_draft] target ids, ascending
         self.register_buffer("draft_lm_weight", lm_head_weight.detach()[draft_vocab].clone(), persistent=False)
         to_draft = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long)
@@ -81,7 +83,9 @@ class ReducedVocabHead(torch.nn.Module):
         device = self.draft_vocab.device
         target_ids = self.draft_vocab[torch.tensor(draft_ids, device=device)]
         root = torch.tensor([root_token], device=device)
-        return DraftTree(tokens=torch.cat([root, target_ids]).long(), parents=torch.tensor([-1] + [p + 1 for p in parents]))
+        return DraftTree(
+            tokens=torch.cat([root, target_ids]).long(), parents=torch.tensor([-1] + [p + 1 for p in parents])
+        )
 
 
 class VocabHeadDrafter(Drafter):

@@ -79,12 +79,16 @@ def set_aside(directory: Path) -> Path | None:
 
 def trainable_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
     names = {name for name, p in head.named_parameters() if p.requires_grad}
-    return {name: tensor.detach().cpu() for name, tensor in head.state_dict().items()
-            if name in names or name.endswith("draft_vocab")}
+    return {
+        name: tensor.detach().cpu()
+        for name, tensor in head.state_dict().items()
+        if name in names or name.endswith("draft_vocab")
+    }
 
 
-def save_checkpoint(directory: Path, head, optimizer, scheduler, progress: RunProgress, settings: dict,
-                    keep: int = 2) -> Path:
+def save_checkpoint(
+    directory: Path, head, optimizer, scheduler, progress: RunProgress, settings: dict, keep: int = 2
+) -> Path:
     state = {
         "step": progress.step,
         "head": trainable_state(head),
@@ -107,8 +111,9 @@ def load_checkpoint(path: Path, head, optimizer, scheduler, settings: dict) -> R
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as error:  # not a checkpoint (or not ours)
-        raise SelfspecError(f"checkpoint '{path}' cannot be read ({type(error).__name__}): "
-                            "start without --resume") from None
+        raise SelfspecError(
+            f"checkpoint '{path}' cannot be read ({type(error).__name__}): start without --resume"
+        ) from None
     _check_compatible(path, state, head, settings)
     # Frozen base weights are not in checkpoints: keep the head's own, and load the whole set strictly.
     head.load_state_dict({**head.state_dict(), **state["head"]}, strict=True)
@@ -124,19 +129,25 @@ def _check_compatible(path: Path, state: dict, head, settings: dict) -> None:
     own = trainable_state(head)
     missing = set(own) - set(state["head"])
     if missing:
-        raise SelfspecError(f"checkpoint '{path}' does not match this head (missing {sorted(missing)[:3]}): "
-                            "start without --resume")
+        raise SelfspecError(
+            f"checkpoint '{path}' does not match this head (missing {sorted(missing)[:3]}): start without --resume"
+        )
     unexpected = set(state["head"]) - set(head.state_dict())
     if unexpected:
-        raise SelfspecError(f"checkpoint '{path}' holds weights this head lacks ({sorted(unexpected)[:3]}): "
-                            "start without --resume")
+        raise SelfspecError(
+            f"checkpoint '{path}' holds weights this head lacks ({sorted(unexpected)[:3]}): start without --resume"
+        )
     reshaped = [name for name, tensor in own.items() if tensor.shape != state["head"][name].shape]
     if reshaped:
         name = reshaped[0]
-        raise SelfspecError(f"checkpoint '{path}' has {name} of shape {list(state['head'][name].shape)}, this head "
-                            f"{list(own[name].shape)}: start without --resume")
+        raise SelfspecError(
+            f"checkpoint '{path}' has {name} of shape {list(state['head'][name].shape)}, this head "
+            f"{list(own[name].shape)}: start without --resume"
+        )
     for key, value in (state.get("settings") or {}).items():
         if settings.get(key) != value:
             what = "training sequences" if key == "sequences" else f"train.{key}"
-            raise SelfspecError(f"checkpoint '{path}' was made with {what} {value}, this run has {settings.get(key)}: "
-                                "restore the recipe, or start without --resume")
+            raise SelfspecError(
+                f"checkpoint '{path}' was made with {what} {value}, this run has {settings.get(key)}: "
+                "restore the recipe, or start without --resume"
+            )

@@ -28,7 +28,9 @@ class DataConfig:
     max_prompt_tokens: int = 256  # regeneration: skip conversations whose first user turn is longer
     max_new_tokens: int = 192  # regeneration: reply length cap
     regenerate_batch_size: int = 48
-    regenerate_engine: str = "batched"  # "batched" (HF generate, many prompts at once) or "selfspec" (lossless, one by one)
+    regenerate_engine: str = (
+        "batched"  # "batched" (HF generate, many prompts at once) or "selfspec" (lossless, one by one)
+    )
     calibration_fraction: float = 0.05  # the last part of the data: never trained on; measures top-k accuracies
 
 
@@ -57,8 +59,10 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise SelfspecError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_minutes < 0 or self.warmup_steps < 0:
-            raise SelfspecError(f"train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
-                                f"got {self.checkpoint_minutes} and {self.warmup_steps}")
+            raise SelfspecError(
+                f"train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
+                f"got {self.checkpoint_minutes} and {self.warmup_steps}"
+            )
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,27 @@ def tiny_scale(config: RecipeConfig) -> RecipeConfig:
         config,
         out=f"{config.out}-tiny",
         work_dir=f"{config.work_dir}-tiny" if config.work_dir else None,
-        data=replace(data, conversations=min(data.conversations or 24, 24), max_length=min(data.max_length, 64),
-                     max_prompt_tokens=min(data.max_prompt_tokens, 48), max_new_tokens=min(data.max_new_tokens, 8),
-                     regenerate_batch_size=min(data.regenerate_batch_size, 8), calibration_fraction=0.1),
+        data=replace(
+            data,
+            conversations=min(data.conversations or 24, 24),
+            max_length=min(data.max_length, 64),
+            max_prompt_tokens=min(data.max_prompt_tokens, 48),
+            max_new_tokens=min(data.max_new_tokens, 8),
+            regenerate_batch_size=min(data.regenerate_batch_size, 8),
+            calibration_fraction=0.1,
+        ),
         labels=replace(config.labels, shard_examples=min(config.labels.shard_examples, 8)),
-        train=replace(train, batch_size=min(train.batch_size, 2), max_steps=min(train.max_steps, 4),
-                      warmup_steps=min(train.warmup_steps, 1), checkpoint_every=2, log_every=1),
-        eval=replace(evaluation, heldout_prompts=min(evaluation.heldout_prompts, 1),
-                     max_new_tokens=min(evaluation.max_new_tokens, 8)),
+        train=replace(
+            train,
+            batch_size=min(train.batch_size, 2),
+            max_steps=min(train.max_steps, 4),
+            warmup_steps=min(train.warmup_steps, 1),
+            checkpoint_every=2,
+            log_every=1,
+        ),
+        eval=replace(
+            evaluation,
+            heldout_prompts=min(evaluation.heldout_prompts, 1),
+            max_new_tokens=min(evaluation.max_new_tokens, 8),
+        ),
     )

@@ -65,10 +65,12 @@ def _read_jsonl_conversations(path: Path) -> list[Conversation]:
 
 def _record_to_conversation(record, where: str) -> Conversation:
     if isinstance(record, dict) and isinstance(record.get("text"), str):
-        return Conversation(id=str(record.get("id", where)), messages=({"role": "assistant", "content": record["text"]},))
+        return Conversation(
+            id=str(record.get("id", where)), messages=({"role": "assistant", "content": record["text"]},)
+        )
     turns = record.get("messages", record.get("conversations")) if isinstance(record, dict) else None
     if not isinstance(turns, list) or not turns:
-        raise SelfspecError(f"{where}: expected {{\"messages\": [...]}}, {{\"conversations\": [...]}} or {{\"text\": ...}}")
+        raise SelfspecError(f'{where}: expected {{"messages": [...]}}, {{"conversations": [...]}} or {{"text": ...}}')
     messages = []
     for turn in turns:
         role = str(turn.get("role", turn.get("from", ""))).lower() if isinstance(turn, dict) else ""
@@ -152,7 +154,11 @@ def regenerate(
             todo.append((conversation.id, prompt, ids))
     # Similar lengths share a batch (less padding), sorted within windows so an interrupted run is still a sample.
     window = batch_size * 8
-    todo = [item for start in range(0, len(todo), window) for item in sorted(todo[start : start + window], key=lambda item: len(item[2]))]
+    todo = [
+        item
+        for start in range(0, len(todo), window)
+        for item in sorted(todo[start : start + window], key=lambda item: len(item[2]))
+    ]
     replies_for = _batched_replies if engine == "batched" else _selfspec_replies
     eos = set(target.eos_token_ids)
     count = count if count is not None else StageCount()
@@ -161,7 +167,9 @@ def regenerate(
             began = time.perf_counter()
             batch = todo[start : start + batch_size]
             lines = []
-            for (conversation_id, prompt, _), row in zip(batch, replies_for(target, [ids for _, _, ids in batch], max_new_tokens)):
+            for (conversation_id, prompt, _), row in zip(
+                batch, replies_for(target, [ids for _, _, ids in batch], max_new_tokens)
+            ):
                 cut = next((i for i, token in enumerate(row) if token in eos), None)
                 count.tokens += len(row) if cut is None else cut + 1  # the generated tokens, the end marker too
                 reply = target.tokenizer.decode(row[:cut] if cut is not None else row, skip_special_tokens=True)
@@ -184,8 +192,12 @@ def _batched_replies(target: Target, prompts: list[list[int]], max_new_tokens: i
     attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=target.device)
     with torch.inference_mode():
         output = target.model.generate(
-            input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad, eos_token_id=list(target.eos_token_ids),
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=list(target.eos_token_ids),
         )
     return output[:, width:].tolist()
 

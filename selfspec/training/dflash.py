@@ -8,7 +8,6 @@ the queries; block j sees the context rows before its anchor and its own block, 
 
 from __future__ import annotations
 
-
 import torch
 
 from ..errors import SelfspecError
@@ -59,7 +58,9 @@ class DFlashTraining(TrainableHead):
         for position in METRIC_POSITIONS:
             if position < block:
                 chosen = keep[..., position - 1]
-                metrics[f"top1@{position}"] = float(agree[..., position - 1][chosen].float().mean()) if chosen.any() else 0.0
+                metrics[f"top1@{position}"] = (
+                    float(agree[..., position - 1][chosen].float().mean()) if chosen.any() else 0.0
+                )
         return loss, metrics
 
 
@@ -99,11 +100,14 @@ def train_dflash(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     data = recipe_data(target, config, layers, timings)
     dflash, head = new_dflash_head(target, dflash, layers, data.train.sample)
     module = DFlashTraining(head, dflash)
-    return train_and_save(target, config, head, module, dflash, data, timings, resume, max_steps, feature_layers=list(layers))
+    return train_and_save(
+        target, config, head, module, dflash, data, timings, resume, max_steps, feature_layers=list(layers)
+    )
 
 
-def new_dflash_head(target: Target, dflash: DFlashConfig, layers: tuple[int, ...],
-                    sequences: list[LabeledSequence]) -> tuple[DFlashConfig, DFlashHead]:
+def new_dflash_head(
+    target: Target, dflash: DFlashConfig, layers: tuple[int, ...], sequences: list[LabeledSequence]
+) -> tuple[DFlashConfig, DFlashHead]:
     """(config as saved, an untrained fp32 head initialised from the target's top layers) whose mask token (unless
     the config names one) and draft vocabulary come from `sequences`."""
     mask_token = dflash.mask_token_id if dflash.mask_token_id >= 0 else rarest_token(sequences, target.vocab_size)

@@ -41,8 +41,9 @@ def greedy_continuations(target: Target, cache_dir: Path, per_set: int, new_toke
     return sets
 
 
-def eagle_chain_accuracy(target: Target, head: EagleFamilyHead, config: EagleConfig, rows,
-                         depth: int = 3) -> list[float]:
+def eagle_chain_accuracy(
+    target: Target, head: EagleFamilyHead, config: EagleConfig, rows, depth: int = 3
+) -> list[float]:
     """P(drafts 1..d all equal the target's greedy tokens), d = 1..depth, over the continuation positions of `rows`
     (an EAGLE or an EAGLE-3 head: the features are whichever layers the head reads)."""
     unroller = EagleTraining(head, config).eval()

@@ -8,7 +8,6 @@ has no feature loss (hidden_weight 0) and unrolls three steps by default."""
 
 from __future__ import annotations
 
-
 import torch
 from transformers import DynamicCache
 
@@ -20,6 +19,7 @@ from .labels import LabeledSequence
 from .losses import draft_vocabulary, soft_cross_entropy
 from .stages import recipe_data, train_and_save
 from .trainer import Batch, TrainableHead
+
 
 class EagleTraining(TrainableHead):
     """Step 0 is teacher-forced: pair t = (the target's feature t, token t + 1). With `unroll_steps` U > 1 the head
@@ -53,8 +53,10 @@ class EagleTraining(TrainableHead):
             chosen = predicted[learnable]
             labelled = learnable[:, : rows - step]  # the same rows, indexing labels from position s + 1
             token_loss, _, agreement = soft_cross_entropy(
-                self.head.draft_logits(chosen), batch.topk_ids[:, 1 + step :][labelled],
-                batch.topk_probs[:, 1 + step :][labelled], self.head.target_to_draft,
+                self.head.draft_logits(chosen),
+                batch.topk_ids[:, 1 + step :][labelled],
+                batch.topk_probs[:, 1 + step :][labelled],
+                self.head.target_to_draft,
             )
             total = total + self.config.token_weight * token_loss
             metrics["top1" if step == 0 else f"top1@{step + 1}"] = agreement
@@ -75,7 +77,9 @@ class EagleTraining(TrainableHead):
             tokens = torch.zeros_like(input_ids[:, 1:])
             tokens[:, : rows - step] = input_ids[:, 1 + step :]
             positions = torch.arange(1 + step, rows + 1 + step, device=features.device).expand(features.shape[0], -1)
-            predicted = self.head(features, tokens, positions, unrolled_mask(rows, step, features.dtype, features.device), cache)
+            predicted = self.head(
+                features, tokens, positions, unrolled_mask(rows, step, features.dtype, features.device), cache
+            )
             yield predicted
             features = predicted  # the next step reads the head's own features
 
@@ -100,8 +104,16 @@ def train_eagle3(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     return _train_eagle_family(target, config, config.eagle3, Eagle3Head, layers, resume, max_steps, timings)
 
 
-def _train_eagle_family(target: Target, config: RecipeConfig, eagle: EagleConfig, head_cls, layers: tuple[int, ...],
-                        resume: bool, max_steps: int | None, timings: dict) -> dict:
+def _train_eagle_family(
+    target: Target,
+    config: RecipeConfig,
+    eagle: EagleConfig,
+    head_cls,
+    layers: tuple[int, ...],
+    resume: bool,
+    max_steps: int | None,
+    timings: dict,
+) -> dict:
     if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
         raise SelfspecError(f"{config.drafter}: top_k, depth and max_tree_nodes must be >= 1")
     data = recipe_data(target, config, layers, timings)
@@ -109,8 +121,9 @@ def _train_eagle_family(target: Target, config: RecipeConfig, eagle: EagleConfig
     return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)
 
 
-def new_eagle_head(target: Target, eagle: EagleConfig, head_cls,
-                   sequences: list[LabeledSequence]) -> tuple[EagleConfig, EagleFamilyHead]:
+def new_eagle_head(
+    target: Target, eagle: EagleConfig, head_cls, sequences: list[LabeledSequence]
+) -> tuple[EagleConfig, EagleFamilyHead]:
     """(config as saved, an untrained fp32 head of `head_cls`) whose draft vocabulary is the most frequent tokens
     of `sequences`."""
     draft_vocab = draft_vocabulary(sequences, eagle.draft_vocab_size, target.vocab_size)

@@ -39,7 +39,9 @@ def label_sequence(target: Target, example: Example, layers: tuple[int, ...], to
     """One forward of the target over the whole sequence (no cache) -> its hidden states and top-k distribution."""
     with torch.inference_mode():
         outputs = target.model(
-            input_ids=example.input_ids.view(1, -1).to(target.device), use_cache=False, output_hidden_states=bool(layers)
+            input_ids=example.input_ids.view(1, -1).to(target.device),
+            use_cache=False,
+            output_hidden_states=bool(layers),
         )
         probs = torch.softmax(outputs.logits[0].float(), dim=-1)
         topk_probs, topk_ids = probs.topk(top_k, dim=-1)
@@ -58,8 +60,12 @@ def label_batch(target: Target, examples: list[Example], layers: tuple[int, ...]
         attention[row, : len(example.input_ids)] = 1
     labeled = []
     with torch.inference_mode():
-        outputs = target.model(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
-                               use_cache=False, output_hidden_states=bool(layers))
+        outputs = target.model(
+            input_ids=input_ids.to(target.device),
+            attention_mask=attention.to(target.device),
+            use_cache=False,
+            output_hidden_states=bool(layers),
+        )
         for row, example in enumerate(examples):  # per row: the softmax over the vocabulary is [L, V] float32
             length = len(example.input_ids)
             topk_probs, topk_ids = torch.softmax(outputs.logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
@@ -79,7 +85,12 @@ def _manifest_header(target: Target, layers: tuple[int, ...], top_k: int, exampl
 
 
 def build_label_cache(
-    target: Target, examples: list[Example], directory: Path, layers: tuple[int, ...], top_k: int, shard_examples: int,
+    target: Target,
+    examples: list[Example],
+    directory: Path,
+    layers: tuple[int, ...],
+    top_k: int,
+    shard_examples: int,
     count: StageCount | None = None,
 ) -> Path:
     """Write label shards for `examples` under `directory`, resuming after the last finished shard. `count`, when
@@ -102,7 +113,9 @@ def build_label_cache(
             name = f"shard-{len(manifest['shards']):05d}.safetensors"
             _save_shard(directory / name, sequences)
             done += len(batch)
-            manifest["shards"].append({"file": name, "examples": len(batch), "tokens": sum(len(s.input_ids) for s in sequences)})
+            manifest["shards"].append(
+                {"file": name, "examples": len(batch), "tokens": sum(len(s.input_ids) for s in sequences)}
+            )
             manifest["complete"] = done >= len(examples)
             _write_json(manifest_path, manifest)
             if count is not None:

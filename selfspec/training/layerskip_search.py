@@ -34,8 +34,8 @@ from ..errors import SelfspecError
 from ..heads.layerskip import (
     LayerSkipDrafter,
     LayerSkipSettings,
-    SkipPlan,
     SkippingForward,
+    SkipPlan,
     TunedSkipSet,
     every_other_layer,
     fingerprint_key,
@@ -90,7 +90,9 @@ def build_calibration(target: Target, options: TuneOptions) -> Calibration:
     device = target.device
     with torch.inference_mode():
         target_next = [target.model(text.view(1, -1).to(device)).logits[0, :-1].argmax(-1).cpu() for text in texts]
-    vocab = None if options.draft_vocab_size <= 0 else most_frequent(counts, options.draft_vocab_size, target.vocab_size)
+    vocab = (
+        None if options.draft_vocab_size <= 0 else most_frequent(counts, options.draft_vocab_size, target.vocab_size)
+    )
     return Calibration(prompts, texts, positions, target_next, vocab)
 
 
@@ -113,13 +115,17 @@ def draft_agreement(target: Target, settings: LayerSkipSettings, calibration: Ca
 def draft_cost(target: Target, plan: SkipPlan, draft_vocab_size: int) -> float:
     """The draft's share of the weights one target step reads: the sublayers it runs plus its LM-head rows."""
     layers = target.model.model.layers
+
     def size(module) -> int:
         return sum(parameter.numel() for parameter in module.parameters())
+
     attention = [size(layer.self_attn) for layer in layers]
     mlp = [size(layer.mlp) for layer in layers]
     lm_rows = target.model.get_output_embeddings().weight.shape[1]
     full = sum(attention) + sum(mlp) + target.vocab_size * lm_rows
-    used = sum(a for a, run in zip(attention, plan.run_attention) if run) + sum(m for m, run in zip(mlp, plan.run_mlp) if run)
+    used = sum(a for a, run in zip(attention, plan.run_attention) if run) + sum(
+        m for m, run in zip(mlp, plan.run_mlp) if run
+    )
     used += (draft_vocab_size or target.vocab_size) * lm_rows
     return used / full
 
@@ -161,7 +167,9 @@ def params_of(settings: LayerSkipSettings, num_layers: int) -> dict:
     return params
 
 
-def starting_points(target: Target, calibration: Calibration, max_draft: int, progress: bool = True) -> list[LayerSkipSettings]:
+def starting_points(
+    target: Target, calibration: Calibration, max_draft: int, progress: bool = True
+) -> list[LayerSkipSettings]:
     """Enqueued first: the hand-made baseline (both sublayers of every other layer skipped), then SWIFT-style
     greedy sets: sublayers ranked by the stage-1 agreement with only that one skipped, the best n skipped together."""
     num_layers = target.config.num_hidden_layers
@@ -176,11 +184,14 @@ def starting_points(target: Target, calibration: Calibration, max_draft: int, pr
     ranked = [index for _, index in sorted(single)]
     for count in sorted({n for n in (1, 2, 4, 6, 9, 12, num_layers // 2) if n < 2 * num_layers}):
         chosen = ranked[:count]
-        points.append(LayerSkipSettings(
-            skip_attention=tuple(sorted(i for i in chosen if i < num_layers)),
-            skip_mlp=tuple(sorted(i - num_layers for i in chosen if i >= num_layers)),
-            threshold=0.3, max_draft=chain,
-        ))
+        points.append(
+            LayerSkipSettings(
+                skip_attention=tuple(sorted(i for i in chosen if i < num_layers)),
+                skip_mlp=tuple(sorted(i - num_layers for i in chosen if i >= num_layers)),
+                threshold=0.3,
+                max_draft=chain,
+            )
+        )
     return points
 
 
@@ -227,6 +238,7 @@ def tune_layerskip(target: Target, options: TuneOptions, storage_path: Path, out
 
     remaining = options.trials - len([t for t in study.trials if t.state.is_finished()])
     with tqdm(total=max(0, remaining), desc="tune layerskip", unit="trial") as bar:
+
         def report(study, trial) -> None:
             bar.update(1)
             states = [t.state for t in study.trials]
@@ -251,14 +263,22 @@ def summarize(study, target: Target, options: TuneOptions, curve: CostCurve, sto
 
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not completed:
-        raise SelfspecError("every trial was pruned or failed: run more trials (--trials) or check the calibration data")
+        raise SelfspecError(
+            "every trial was pruned or failed: run more trials (--trials) or check the calibration data"
+        )
     num_layers = target.config.num_hidden_layers
 
     def describe(trial) -> dict:
         settings = settings_for(optuna.trial.FixedTrial(trial.params), num_layers, options.max_draft)
-        return {"trial": trial.number, "value": round(trial.value, 3), **trial.user_attrs,
-                "skip_attention": list(settings.skip_attention), "skip_mlp": list(settings.skip_mlp),
-                "threshold": round(settings.threshold, 3), "max_draft": settings.max_draft}
+        return {
+            "trial": trial.number,
+            "value": round(trial.value, 3),
+            **trial.user_attrs,
+            "skip_attention": list(settings.skip_attention),
+            "skip_mlp": list(settings.skip_mlp),
+            "threshold": round(settings.threshold, 3),
+            "max_draft": settings.max_draft,
+        }
 
     ranked = sorted(completed, key=lambda t: -t.value)
     baseline = next((t for t in study.trials if t.number == 0 and t.state == optuna.trial.TrialState.COMPLETE), None)

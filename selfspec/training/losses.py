@@ -29,7 +29,9 @@ def most_frequent(counts: Counter, size: int, vocab_size: int) -> torch.Tensor:
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def soft_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, target_probs: torch.Tensor, to_draft: torch.Tensor):
+def soft_cross_entropy(
+    logits: torch.Tensor, target_ids: torch.Tensor, target_probs: torch.Tensor, to_draft: torch.Tensor
+):
     """CE of draft logits [N, V_d] against the target's top-k (ids in target space), renormalised within the draft
     vocabulary. Returns (loss, rows used, top-1 agreement)."""
     draft_ids = to_draft[target_ids]  # [N, K'], -1 outside the draft vocabulary

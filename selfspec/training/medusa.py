@@ -36,7 +36,13 @@ class MedusaTraining(TrainableHead):
 
     first_draft_metric = "top1_h1"
 
-    def __init__(self, heads: MedusaHeads, head_decay: float, base: torch.nn.Module | None = None, lora: MedusaLoraConfig | None = None):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        head_decay: float,
+        base: torch.nn.Module | None = None,
+        lora: MedusaLoraConfig | None = None,
+    ):
         super().__init__()
         self.heads = heads
         self.head_decay = head_decay

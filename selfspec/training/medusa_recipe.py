@@ -1,10 +1,10 @@
-"""The Medusa recipe: heads on the target's last hidden state (Medusa-1), optionally with LoRA on the base (Medusa-2)."""
+"""The Medusa recipe: heads on the target's last hidden state (Medusa-1), optionally with LoRA on the base
+(Medusa-2)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
 
 from ..errors import SelfspecError
 from ..files import atomic_write_text
@@ -25,7 +25,9 @@ def _with_lora(target: Target, medusa: MedusaConfig):
     from peft import LoraConfig, get_peft_model
 
     lora = medusa.lora
-    peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    peft_config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
     return get_peft_model(target.model, peft_config)
 
 
@@ -53,7 +55,12 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         "accuracies": [[round(a, 4) for a in row] for row in accuracies.tolist()],
     }
     save_head(
-        Path(config.out), "medusa", medusa, heads.state_dict(), target.fingerprint, extra,
+        Path(config.out),
+        "medusa",
+        medusa,
+        heads.state_dict(),
+        target.fingerprint,
+        extra,
         write_adapter=(lambda directory: base.save_pretrained(str(directory))) if base is not None else None,
     )
     if base is not None:
@@ -62,7 +69,9 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         "drafter": "medusa",
         "variant": "medusa-2 (LoRA)" if medusa.lora else "medusa-1 (frozen base)",
         "training_sequences": train_data.count,
-        "training_tokens": sum(len(s.input_ids) for s in train_data.sample) if config.labels.storage == "cache" else None,
+        "training_tokens": sum(len(s.input_ids) for s in train_data.sample)
+        if config.labels.storage == "cache"
+        else None,
         "calibration_sequences": len(calibration),
         "draft_vocab_size": len(draft_vocab),
         "steps": summary.steps,
@@ -75,12 +84,18 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     }
 
 
-def rebuild_tree(target: Target, heads_dir: Path, source: str, conversations: int, max_nodes: int, max_length: int = 512) -> dict:
+def rebuild_tree(
+    target: Target, heads_dir: Path, source: str, conversations: int, max_nodes: int, max_length: int = 512
+) -> dict:
     """`selfspec medusa-tree`: re-measure the heads' top-k accuracies on `source` and rewrite the tree data."""
     artifact = load_head(heads_dir, "medusa", MedusaConfig, target)
     heads = MedusaHeads(artifact.config, target, artifact.state["draft_vocab"]).float()
     heads.load_state_dict(artifact.state, strict=True)
-    examples = [e for e in (tokenize_conversation(target, c, max_length) for c in load_conversations(source, conversations)) if e]
+    examples = [
+        e
+        for e in (tokenize_conversation(target, c, max_length) for c in load_conversations(source, conversations))
+        if e
+    ]
     if not examples:
         raise SelfspecError(f"no usable sequences in '{source}'")
     sequences = [label_sequence(target, e, LAYERS, 1) for e in examples]

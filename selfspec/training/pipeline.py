@@ -27,7 +27,6 @@ from .config import RecipeConfig
 from .sharegpt import load_sharegpt
 
 
-
 def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dict:
     """Mean accepted length of the trained drafter on held-out ShareGPT prompts, greedy, with the real decoder."""
     if config.eval.heldout_prompts <= 0:
@@ -42,9 +41,12 @@ def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dic
     for conversation in tqdm(chosen, desc="held-out eval", unit="prompt"):
         user = next(m for m in conversation.messages if m["role"] == "user")
         input_ids = target.encode_messages([user])[:, -min(512, target.context_limit // 2) :]
-        _, stats = speculative_generate(target, drafter_instance, input_ids, config.eval.max_new_tokens, SamplingConfig(),
-                                        pace=False)  # acceptance, not speed
-        per_prompt.append({"id": conversation.id, "tau": round(stats.mean_accepted_length, 3), "tokens": stats.new_tokens})
+        _, stats = speculative_generate(
+            target, drafter_instance, input_ids, config.eval.max_new_tokens, SamplingConfig(), pace=False
+        )  # acceptance, not speed
+        per_prompt.append(
+            {"id": conversation.id, "tau": round(stats.mean_accepted_length, 3), "tokens": stats.new_tokens}
+        )
         lengths.extend(stats.accepted_lengths)
         tokens += stats.new_tokens
     return {

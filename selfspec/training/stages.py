@@ -33,17 +33,23 @@ class LabeledData:
     labelled: StageCount | None = None  # the labelling done in this invocation (cached labels)
 
 
-def prepare_examples(target: Target, config: RecipeConfig,
-                     regenerated: StageCount | None = None) -> tuple[list[Example], list[Example]]:
+def prepare_examples(
+    target: Target, config: RecipeConfig, regenerated: StageCount | None = None
+) -> tuple[list[Example], list[Example]]:
     """(training examples, calibration examples). Reads only the ShareGPT training split. `regenerated` receives
     the regeneration's counts."""
     data = config.data
     conversations = load_conversations(data.source, limit=data.conversations, seed=data.seed)
     if data.regenerate:
         path = regenerate(
-            target, conversations, config.work_path / "regenerated.jsonl",
-            max_prompt_tokens=data.max_prompt_tokens, max_new_tokens=data.max_new_tokens,
-            batch_size=data.regenerate_batch_size, engine=data.regenerate_engine, count=regenerated,
+            target,
+            conversations,
+            config.work_path / "regenerated.jsonl",
+            max_prompt_tokens=data.max_prompt_tokens,
+            max_new_tokens=data.max_new_tokens,
+            batch_size=data.regenerate_batch_size,
+            engine=data.regenerate_engine,
+            count=regenerated,
         )
         # Keep the sample's order (not the file's batch order), so an interrupted or re-batched run gives the same data.
         rank = {conversation.id: index for index, conversation in enumerate(conversations)}
@@ -57,20 +63,31 @@ def prepare_examples(target: Target, config: RecipeConfig,
     return examples[:-calibration], examples[-calibration:]
 
 
-def label_examples(target: Target, examples: list[Example], config: RecipeConfig, name: str, layers: tuple[int, ...]) -> LabeledData:
+def label_examples(
+    target: Target, examples: list[Example], config: RecipeConfig, name: str, layers: tuple[int, ...]
+) -> LabeledData:
     labels = config.labels
     if labels.storage == "cache":
         # One cache per layer set, so recipes sharing a work_dir (EAGLE reads the top layer, EAGLE-3 three) keep theirs.
         suffix = "+".join("top" if layer == -1 else str(layer) for layer in layers) or "none"
         labelled = StageCount()
-        directory = build_label_cache(target, examples, config.work_path / f"labels-{name}-{suffix}", layers,
-                                      labels.top_k, labels.shard_examples, labelled)
+        directory = build_label_cache(
+            target,
+            examples,
+            config.work_path / f"labels-{name}-{suffix}",
+            layers,
+            labels.top_k,
+            labels.shard_examples,
+            labelled,
+        )
         sequences = load_label_cache(directory)
         return LabeledData(len(sequences), sequences.__getitem__, sequences, labelled=labelled)
     if labels.storage == "stream":
         sample = [label_sequence(target, e, layers, labels.top_k) for e in examples[: min(len(examples), 256)]]
         return LabeledData(
-            len(examples), lambda i: label_sequence(target, examples[i], layers, labels.top_k), sample,
+            len(examples),
+            lambda i: label_sequence(target, examples[i], layers, labels.top_k),
+            sample,
             get_batch=lambda indices: label_batch(target, [examples[i] for i in indices], layers, labels.top_k),
         )
     raise SelfspecError(f"labels.storage must be 'cache' or 'stream', got '{labels.storage}'")
@@ -84,7 +101,9 @@ class RecipeData:
     regenerated: StageCount  # the regeneration done in this invocation
 
 
-def recipe_data(target: Target, config: RecipeConfig, layers: tuple[int, ...], timings: dict, label_calibration: bool = False) -> RecipeData:
+def recipe_data(
+    target: Target, config: RecipeConfig, layers: tuple[int, ...], timings: dict, label_calibration: bool = False
+) -> RecipeData:
     """Examples and labels for a recipe (the shared first stages), timing each into `timings`."""
     tqdm.write(f"work directory (regenerated data, labels, checkpoints): {config.work_path}")
     began = time.perf_counter()
@@ -93,7 +112,11 @@ def recipe_data(target: Target, config: RecipeConfig, layers: tuple[int, ...], t
     timings["data_s"] = round(time.perf_counter() - began, 1)
     began = time.perf_counter()
     train_data = label_examples(target, train_examples, config, "train", layers)
-    calibration = label_examples(target, calibration_examples, config, "calibration", layers).sample if label_calibration else None
+    calibration = (
+        label_examples(target, calibration_examples, config, "calibration", layers).sample
+        if label_calibration
+        else None
+    )
     timings["labels_s"] = round(time.perf_counter() - began, 1)
     return RecipeData(train_data, calibration_examples, calibration, regenerated)
 
@@ -101,8 +124,16 @@ def recipe_data(target: Target, config: RecipeConfig, layers: tuple[int, ...], t
 def train_head(module, data: RecipeData, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict):
     """The trainer over a recipe's labelled data -> its TrainSummary; timed into `timings`."""
     began = time.perf_counter()
-    summary = train(module, data.train.count, data.train.get, config.train, checkpoint_dir(config), resume, max_steps,
-                    get_batch=data.train.get_batch)
+    summary = train(
+        module,
+        data.train.count,
+        data.train.get,
+        config.train,
+        checkpoint_dir(config),
+        resume,
+        max_steps,
+        get_batch=data.train.get_batch,
+    )
     timings["train_s"] = round(time.perf_counter() - began, 1)
     return summary
 
@@ -114,19 +145,37 @@ def throughput_report(target: Target, config: RecipeConfig, data: RecipeData, su
     if data.regenerated.sequences:
         entries["regeneration"] = stage_entry(
             f"new tokens generated (greedy, {config.data.regenerate_engine}, {config.data.regenerate_batch_size} "
-            "prompts a batch)", data.regenerated.tokens, data.regenerated.seconds, target.dtype,
-            prompts=data.regenerated.sequences)
+            "prompts a batch)",
+            data.regenerated.tokens,
+            data.regenerated.seconds,
+            target.dtype,
+            prompts=data.regenerated.sequences,
+        )
     if config.labels.storage == "stream":
-        entries["labels"] = stage_entry("token positions labelled by the target inside the training steps (streamed)",
-                                        summary.tokens, summary.fetch_seconds, target.dtype)
+        entries["labels"] = stage_entry(
+            "token positions labelled by the target inside the training steps (streamed)",
+            summary.tokens,
+            summary.fetch_seconds,
+            target.dtype,
+        )
     elif data.train.labelled and data.train.labelled.sequences:
-        entries["labels"] = stage_entry("token positions labelled by the target (cached shards)",
-                                        data.train.labelled.tokens, data.train.labelled.seconds, target.dtype)
+        entries["labels"] = stage_entry(
+            "token positions labelled by the target (cached shards)",
+            data.train.labelled.tokens,
+            data.train.labelled.seconds,
+            target.dtype,
+        )
     autocast = "bf16" if summary.precision == "bf16 autocast" else None
     streamed = ", the streamed labelling's time included" if config.labels.storage == "stream" else ""
-    entries["training"] = stage_entry(f"token positions trained, padding excluded{streamed}", summary.tokens,
-                                      summary.seconds, "float32", autocast, steps=summary.steps,
-                                      resumed_from=summary.resumed_from)
+    entries["training"] = stage_entry(
+        f"token positions trained, padding excluded{streamed}",
+        summary.tokens,
+        summary.seconds,
+        "float32",
+        autocast,
+        steps=summary.steps,
+        resumed_from=summary.resumed_from,
+    )
     return entries
 
 
@@ -135,8 +184,18 @@ def checkpoint_dir(config: RecipeConfig) -> Path:
     return config.work_path / f"checkpoints-{Path(config.out).name}"
 
 
-def train_and_save(target: Target, config: RecipeConfig, head, module, head_config, data: RecipeData, timings: dict,
-                   resume: bool, max_steps: int | None, **report) -> dict:
+def train_and_save(
+    target: Target,
+    config: RecipeConfig,
+    head,
+    module,
+    head_config,
+    data: RecipeData,
+    timings: dict,
+    resume: bool,
+    max_steps: int | None,
+    **report,
+) -> dict:
     """The last stages of a recipe whose head is all it saves (EAGLE, DFlash): train `module` (which holds `head`),
     write the heads directory, and return the report's training part (`report` adds drafter-specific entries)."""
     summary = train_head(module, data, config, resume, max_steps, timings)
@@ -154,4 +213,3 @@ def train_and_save(target: Target, config: RecipeConfig, head, module, head_conf
         "first_draft_accuracy": summary.first_draft_accuracy and round(summary.first_draft_accuracy, 4),
         "throughput": throughput_report(target, config, data, summary),
     }
-

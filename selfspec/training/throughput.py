@@ -22,8 +22,9 @@ class StageCount:
     sequences: int = 0
 
 
-def stage_entry(counts: str, tokens: int, seconds: float, dtype: torch.dtype | str, autocast: str | None = None,
-                **extra) -> dict:
+def stage_entry(
+    counts: str, tokens: int, seconds: float, dtype: torch.dtype | str, autocast: str | None = None, **extra
+) -> dict:
     """One stage's line in the report; `counts` says what its tokens are."""
     return {
         "counts": counts,

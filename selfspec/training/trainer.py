@@ -65,7 +65,14 @@ def collate(sequences: list[LabeledSequence], device: torch.device) -> Batch:
     def padded(shape, dtype):
         return torch.zeros((count, width) + shape, dtype=dtype, device=where)
 
-    batch = Batch(padded((), torch.long), padded((), torch.bool), padded((), torch.bool), {}, padded((k,), torch.long), padded((k,), torch.float32))
+    batch = Batch(
+        padded((), torch.long),
+        padded((), torch.bool),
+        padded((), torch.bool),
+        {},
+        padded((k,), torch.long),
+        padded((k,), torch.float32),
+    )
     for layer, states in sequences[0].hidden.items():
         batch.hidden[layer] = padded((states.shape[1],), torch.float32)
     for row, sequence in enumerate(sequences):
@@ -78,9 +85,12 @@ def collate(sequences: list[LabeledSequence], device: torch.device) -> Batch:
         for layer, states in sequence.hidden.items():
             batch.hidden[layer][row, :n] = states.float()
     return Batch(
-        batch.input_ids.to(device), batch.valid.to(device), batch.loss_mask.to(device),
+        batch.input_ids.to(device),
+        batch.valid.to(device),
+        batch.loss_mask.to(device),
         {layer: states.to(device) for layer, states in batch.hidden.items()},
-        batch.topk_ids.to(device), batch.topk_probs.to(device),
+        batch.topk_ids.to(device),
+        batch.topk_probs.to(device),
     )
 
 
@@ -149,8 +159,9 @@ def train(
     first_metric = getattr(accelerator.unwrap_model(head), "first_draft_metric", None)
     resumed_from = progress.step
     head.train()
-    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step",
-               disable=not accelerator.is_main_process)
+    bar = tqdm(
+        total=total_steps, initial=progress.step, desc="train", unit="step", disable=not accelerator.is_main_process
+    )
     with bar:
         for step in range(progress.step, total_steps):
             began = time.perf_counter()
@@ -161,8 +172,15 @@ def train(
             if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
                 torch.cuda.synchronize()
             fetched = time.perf_counter()
-            loss, progress.metrics = _step(head, collate(sequences, accelerator.device), optimizer, scheduler,
-                                           accelerator, trainable, config.grad_clip)
+            loss, progress.metrics = _step(
+                head,
+                collate(sequences, accelerator.device),
+                optimizer,
+                scheduler,
+                accelerator,
+                trainable,
+                config.grad_clip,
+            )
             progress.window_loss = (progress.window_loss + [loss])[-config.log_every :]
             progress.tokens += _count_tokens(sequences, accelerator)
             progress.step, progress.seconds = step + 1, progress.seconds + time.perf_counter() - began
@@ -171,20 +189,26 @@ def train(
                 bar.set_postfix(_postfix(progress, first_metric), refresh=False)
             bar.update(1)
             if accelerator.is_main_process and clock.due(progress.step):
-                save_checkpoint(checkpoint_dir, accelerator.unwrap_model(head), optimizer, scheduler, progress,
-                                settings)
+                save_checkpoint(
+                    checkpoint_dir, accelerator.unwrap_model(head), optimizer, scheduler, progress, settings
+                )
                 clock.saved()
     head.eval()
     return _summary(progress, total_steps, resumed_from, first_metric, accelerator.mixed_precision == "bf16")
 
 
-def _summary(progress: RunProgress, steps: int, resumed_from: int, first_metric: str | None,
-             bf16: bool) -> TrainSummary:
+def _summary(
+    progress: RunProgress, steps: int, resumed_from: int, first_metric: str | None, bf16: bool
+) -> TrainSummary:
     return TrainSummary(
-        steps=steps, final_loss=sum(progress.window_loss) / max(1, len(progress.window_loss)),
-        final_metrics=dict(progress.metrics), resumed_from=resumed_from,
+        steps=steps,
+        final_loss=sum(progress.window_loss) / max(1, len(progress.window_loss)),
+        final_metrics=dict(progress.metrics),
+        resumed_from=resumed_from,
         first_draft_accuracy=progress.metrics.get(first_metric) if first_metric else None,
-        tokens=progress.tokens, seconds=progress.seconds, fetch_seconds=progress.fetch_seconds,
+        tokens=progress.tokens,
+        seconds=progress.seconds,
+        fetch_seconds=progress.fetch_seconds,
         precision="bf16 autocast" if bf16 else "float32",
     )
 

@@ -36,9 +36,7 @@ def ancestor_matrix(tree: DraftTree, device: torch.device | str = "cpu") -> torc
     return visible
 
 
-def build_tree_inputs(
-    tree: DraftTree, prefix_len: int, dtype: torch.dtype, device: torch.device | str
-) -> TreeInputs:
+def build_tree_inputs(tree: DraftTree, prefix_len: int, dtype: torch.dtype, device: torch.device | str) -> TreeInputs:
     """Every node sees the cached prefix, its ancestors and itself; positions are prefix_len + depth."""
     n = tree.size
     depths = torch.tensor(tree.depth_list, dtype=torch.long, device=device)

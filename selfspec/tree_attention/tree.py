@@ -35,17 +35,22 @@ class DraftTree:
     def __post_init__(self) -> None:
         # A drafter's tree is a public contract: break it and the error says how, under `python -O` too.
         if self.tokens.dim() != 1 or self.tokens.shape != self.parents.shape or self.tokens.numel() == 0:
-            raise SelfspecError(f"a DraftTree needs tokens and parents of one shape [n], n >= 1; got "
-                                f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+            raise SelfspecError(
+                f"a DraftTree needs tokens and parents of one shape [n], n >= 1; got "
+                f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}"
+            )
         parent_list = tuple(int(p) for p in self.parents.tolist())
         if parent_list[0] != -1:
             raise SelfspecError(f"DraftTree node 0 must be the root (parent -1), got parent {parent_list[0]}")
         bad = next((i for i, p in enumerate(parent_list) if i > 0 and not 0 <= p < i), None)
         if bad is not None:
             raise SelfspecError(f"DraftTree parents[{bad}] = {parent_list[bad]}: a node's parent must come before it")
-        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != len(parent_list)):
-            raise SelfspecError(f"DraftTree draft_probs must be [n, V] with n = {len(parent_list)}, "
-                                f"got {tuple(self.draft_probs.shape)}")
+        if self.draft_probs is not None and (
+            self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != len(parent_list)
+        ):
+            raise SelfspecError(
+                f"DraftTree draft_probs must be [n, V] with n = {len(parent_list)}, got {tuple(self.draft_probs.shape)}"
+            )
         depth_list = [0] * len(parent_list)
         child_lists: list[list[int]] = [[] for _ in parent_list]
         for i in range(1, len(parent_list)):

@@ -52,14 +52,17 @@ def verify(
 ) -> VerifyResult:
     """Pure function: the accepted path and the target's extra token. Randomness comes only from `draws`."""
     if target_logits.dim() != 2 or target_logits.shape[0] != tree.size:
-        raise SelfspecError(f"verify needs one row of logits per tree node ([{tree.size}, V]), got {tuple(target_logits.shape)}")
+        raise SelfspecError(
+            f"verify needs one row of logits per tree node ([{tree.size}, V]), got {tuple(target_logits.shape)}"
+        )
     if sampling.greedy:
         argmax = target_logits.argmax(-1).tolist()  # one host sync per step
         return _walk(tree, lambda node, depth: argmax[node])
     if tree.draft_probs is None:
         # Only the accepted path's rows are turned into distributions (top-p sorts a whole vocabulary row).
-        return _walk(tree, lambda node, depth: draw_token(logits_to_probs(target_logits[node], sampling),
-                                                          draws.uniform(depth)))
+        return _walk(
+            tree, lambda node, depth: draw_token(logits_to_probs(target_logits[node], sampling), draws.uniform(depth))
+        )
     return _verify_drawn(tree, logits_to_probs(target_logits, sampling), draws.generator)
 
 
@@ -127,8 +130,10 @@ def _try_drawn(children: list[int], tokens: list[int], p: torch.Tensor, q: torch
     p_host, q_host = torch.stack([torch.stack(p_values), torch.stack(q_values)]).tolist()
     for index, child in enumerate(children):
         if q_host[index] <= 0:
-            raise SelfspecError(f"token {tokens[child]} was drafted but has zero draft probability: the drafter's q "
-                                "is inconsistent with its tree")
+            raise SelfspecError(
+                f"token {tokens[child]} was drafted but has zero draft probability: the drafter's q "
+                "is inconsistent with its tree"
+            )
         if next(uniforms) * q_host[index] < p_host[index]:
             return child, p
     return None, p

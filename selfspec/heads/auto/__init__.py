@@ -23,5 +23,13 @@ from .merging import merge_trees, own_accepted_path, select_nodes
 from .rates import SourceRates
 from .sources import DEFAULT_SOURCES, MIN_HELDOUT_TAU
 
-__all__ = ["AutoDrafter", "AutoOptions", "DEFAULT_SOURCES", "MIN_HELDOUT_TAU", "SourceRates", "merge_trees",
-           "own_accepted_path", "select_nodes"]
+__all__ = [
+    "AutoDrafter",
+    "AutoOptions",
+    "DEFAULT_SOURCES",
+    "MIN_HELDOUT_TAU",
+    "SourceRates",
+    "merge_trees",
+    "own_accepted_path",
+    "select_nodes",
+]

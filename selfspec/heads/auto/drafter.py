@@ -11,7 +11,7 @@ from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target
 from ...tree_attention import DraftTree
-from ..base import DraftRequest, Drafter, DrafterStats, Observation, register_drafter
+from ..base import Drafter, DrafterStats, DraftRequest, Observation, register_drafter
 from .merging import merge_trees, own_accepted_path, select_nodes, tree_of
 from .rates import SourceRates
 from .sources import earned_tokens, load_sources, proposers
@@ -29,7 +29,9 @@ class AutoOptions:
         if self.sources is not None:
             names = (self.sources,) if isinstance(self.sources, str) else tuple(self.sources)
             if not names or len(set(names)) != len(names) or "auto" in names or "none" in names:
-                raise SelfspecError(f"auto: sources must be distinct drafters other than auto and none, got {'+'.join(names)}")
+                raise SelfspecError(
+                    f"auto: sources must be distinct drafters other than auto and none, got {'+'.join(names)}"
+                )
             object.__setattr__(self, "sources", names)
         if self.max_nodes < 2:
             raise SelfspecError("auto: max_nodes must be >= 2")
@@ -51,8 +53,14 @@ class _Proposal:
 class AutoDrafter(Drafter):
     """One tree a step from its sources (the package docstring says how); `sources` are drafters it loaded."""
 
-    def __init__(self, target: Target, cost_curve: CostCurve, options: AutoOptions, sources: dict[str, Drafter],
-                 left_out: dict[str, str] | None = None):
+    def __init__(
+        self,
+        target: Target,
+        cost_curve: CostCurve,
+        options: AutoOptions,
+        sources: dict[str, Drafter],
+        left_out: dict[str, str] | None = None,
+    ):
         super().__init__(target, cost_curve, options)
         if not sources:
             raise SelfspecError("auto: no source drafter could be loaded")
@@ -86,8 +94,10 @@ class AutoDrafter(Drafter):
     def reset(self) -> None:
         for source in self.sources.values():
             source.reset()
-        self.rates = {name: SourceRates(self.options.prior_weight, self.max_depth, self.lifetime_rates[name])
-                      for name in self.sources}
+        self.rates = {
+            name: SourceRates(self.options.prior_weight, self.max_depth, self.lifetime_rates[name])
+            for name in self.sources
+        }
         self.proposals: dict[str, _Proposal] = {}
 
     def stats(self) -> DrafterStats:

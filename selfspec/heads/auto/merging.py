@@ -13,8 +13,9 @@ from .rates import SourceRates
 Path = tuple[int, ...]  # a node as its tokens below the root; the root is ()
 
 
-def merge_trees(root_token: int, trees: dict[str, DraftTree], rates: dict[str, SourceRates]
-                ) -> tuple[list[Path], list[float], dict[str, list[Path]]]:
+def merge_trees(
+    root_token: int, trees: dict[str, DraftTree], rates: dict[str, SourceRates]
+) -> tuple[list[Path], list[float], dict[str, list[Path]]]:
     """The union of the sources' trees as token paths below the root, each path's best score over the sources that
     proposed it, and per source the path of each of its nodes (root = ()). Paths in first-seen order."""
     paths: list[Path] = []

@@ -22,8 +22,9 @@ DEFAULT_SOURCES = ("ngram", "history", "eagle", "medusa")
 MIN_HELDOUT_TAU = 1.3
 
 
-def load_sources(target: Target, heads_dir: Path | None, cost_curve: CostCurve, named: tuple[str, ...] | None
-                 ) -> tuple[dict[str, Drafter], dict[str, str]]:
+def load_sources(
+    target: Target, heads_dir: Path | None, cost_curve: CostCurve, named: tuple[str, ...] | None
+) -> tuple[dict[str, Drafter], dict[str, str]]:
     """The sources (`named`, else DEFAULT_SOURCES), each loaded with its default options, and the default sources left
     out with why. `heads_dir` goes to the source of its kind (which joins the default sources); other artifact
     drafters read the heads shipped for the target. Without `named`, the artifact drafters that find no heads for the
@@ -36,8 +37,10 @@ def load_sources(target: Target, heads_dir: Path | None, cost_curve: CostCurve, 
             raise SelfspecError(f"auto: '{heads_dir}' holds no drafter's heads or tuned data")
         if kind not in names:
             if named:
-                raise SelfspecError(f"auto: '{heads_dir}' holds '{kind}' heads, which is not among the sources "
-                                    f"{'+'.join(names)}: add it to sources")
+                raise SelfspecError(
+                    f"auto: '{heads_dir}' holds '{kind}' heads, which is not among the sources "
+                    f"{'+'.join(names)}: add it to sources"
+                )
             names.append(kind)
     sources: dict[str, Drafter] = {}
     left_out: dict[str, str] = {}

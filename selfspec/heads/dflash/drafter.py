@@ -55,7 +55,9 @@ def block_tree(log_probs: torch.Tensor, top_k: int, max_nodes: int, size_for) ->
             heapq.heappush(heap, (negative - values[level][0], ranks + (0,)))
         if ranks[-1] + 1 < k:  # its next sibling
             last = ranks[-1]
-            heapq.heappush(heap, (negative + values[level - 1][last] - values[level - 1][last + 1], ranks[:-1] + (last + 1,)))
+            heapq.heappush(
+                heap, (negative + values[level - 1][last] - values[level - 1][last + 1], ranks[:-1] + (last + 1,))
+            )
     kept = order[: max(0, size_for(scores) - 1)]
     node_of = {ranks: index for index, ranks in enumerate(kept)}
     tokens = [indices[len(ranks) - 1][ranks[-1]] for ranks in kept]
@@ -70,7 +72,9 @@ class DFlashDrafter(VocabHeadDrafter):
     head_cls = DFlashHead
     speculators_import = staticmethod(imported_artifact)
 
-    def __init__(self, target: Target, cost_curve: CostCurve, head: DFlashHead, options: DFlashOptions = DFlashOptions()):
+    def __init__(
+        self, target: Target, cost_curve: CostCurve, head: DFlashHead, options: DFlashOptions = DFlashOptions()
+    ):
         super().__init__(target, cost_curve, head, options)
         self.hidden_layers = head.feature_layers
         self.reset()

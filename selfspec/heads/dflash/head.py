@@ -24,7 +24,9 @@ class DFlashConfig:
     num_layers: int = 1  # bidirectional drafter layers (Qwen3 decoder layers of the target's width), 1 to 8
     feature_layers: tuple[int, ...] = ()  # target hidden_states indices it is conditioned on; () = 2, N // 2, N - 3
     draft_vocab_size: int = 8192  # the most frequent target tokens in the training labels; 0 = full vocabulary
-    mask_token_id: int = -1  # whose embedding fills the masked positions; -1: training picks the rarest token in its data
+    mask_token_id: int = (
+        -1
+    )  # whose embedding fills the masked positions; -1: training picks the rarest token in its data
     own_lm_head: bool = False  # the drafter carries its own draft LM head (imported drafters that trained one)
     loss_decay: float = 0.8  # training: the loss weight of block position i is decay**(i - 1)
     anchors_per_sequence: int = 8  # training: random block starts per sequence and step
@@ -41,14 +43,21 @@ def draft_layer_config(target: Target, num_layers: int) -> Qwen3Config:
     source = target.config
     heads = source.num_attention_heads
     config = Qwen3Config(
-        vocab_size=target.vocab_size, hidden_size=source.hidden_size, intermediate_size=source.intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=heads,
+        vocab_size=target.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
         num_key_value_heads=getattr(source, "num_key_value_heads", None) or heads,
         head_dim=getattr(source, "head_dim", None) or source.hidden_size // heads,
         hidden_act=getattr(source, "hidden_act", None) or getattr(source, "hidden_activation", "silu"),
-        max_position_embeddings=source.max_position_embeddings, rms_norm_eps=getattr(source, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(getattr(source, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
-        attention_bias=False, tie_word_embeddings=False,
+        max_position_embeddings=source.max_position_embeddings,
+        rms_norm_eps=getattr(source, "rms_norm_eps", 1e-6),
+        rope_parameters=dict(
+            getattr(source, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+        ),
+        attention_bias=False,
+        tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
     return config
@@ -69,8 +78,10 @@ class DFlashHead(ReducedVocabHead):
         if config.block_size < 2 or not 1 <= config.num_layers <= MAX_LAYERS:
             raise SelfspecError(f"dflash: block_size must be >= 2 and num_layers 1 to {MAX_LAYERS}")
         if not 0 <= config.mask_token_id < target.vocab_size:
-            raise SelfspecError(f"dflash: mask_token_id {config.mask_token_id} is not a token of this model "
-                                f"(0 .. {target.vocab_size - 1}); training picks one when it is -1")
+            raise SelfspecError(
+                f"dflash: mask_token_id {config.mask_token_id} is not a token of this model "
+                f"(0 .. {target.vocab_size - 1}); training picks one when it is -1"
+            )
         model, hidden_size = target.model, target.config.hidden_size
         self.config = config
         self.feature_layers = resolve_feature_layers(config, target.config.num_hidden_layers)
@@ -78,7 +89,9 @@ class DFlashHead(ReducedVocabHead):
         eps = self.layer_config.rms_norm_eps
         self.fc = torch.nn.Linear(len(self.feature_layers) * hidden_size, hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden_size, eps=eps)
-        self.layers = torch.nn.ModuleList(Qwen3DecoderLayer(self.layer_config, layer_idx=i) for i in range(config.num_layers))
+        self.layers = torch.nn.ModuleList(
+            Qwen3DecoderLayer(self.layer_config, layer_idx=i) for i in range(config.num_layers)
+        )
         for layer in self.layers:
             layer.self_attn.is_causal = False  # a block attends both ways; what each row sees is the mask's (or all)
         self.norm = Qwen3RMSNorm(hidden_size, eps=eps)
@@ -93,8 +106,11 @@ class DFlashHead(ReducedVocabHead):
         for index, layer in enumerate(self.layers):
             source = layers[len(layers) - len(self.layers) + index]
             own = layer.state_dict()
-            copied = {name: tensor for name, tensor in source.state_dict().items()
-                      if name in own and "norm" not in name and tensor.shape == own[name].shape}
+            copied = {
+                name: tensor
+                for name, tensor in source.state_dict().items()
+                if name in own and "norm" not in name and tensor.shape == own[name].shape
+            }
             layer.load_state_dict({**own, **copied})
             if sublayer_style(source, "dflash") == "pre":
                 for name in ("input_layernorm", "post_attention_layernorm"):
@@ -132,8 +148,14 @@ class DFlashHead(ReducedVocabHead):
         block_positions = position_ids[:, m:]
         rotary = self.rotary_emb(block, block_positions)
         for layer in self.layers:
-            output = layer(block, attention_mask=attention_mask, position_ids=block_positions, past_key_values=cache,
-                           use_cache=True, position_embeddings=rotary)
+            output = layer(
+                block,
+                attention_mask=attention_mask,
+                position_ids=block_positions,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=rotary,
+            )
             block = output[0] if isinstance(output, tuple) else output
         return self.norm(block)
 
@@ -144,8 +166,13 @@ class DFlashHead(ReducedVocabHead):
         block = self.config.block_size
         inputs = self.block_inputs(input_ids.gather(1, anchors).view(-1)).view(count, anchors.shape[1] * block, -1)
         offsets = torch.arange(block, device=anchors.device)
-        positions = torch.cat([torch.arange(length, device=anchors.device).expand(count, -1),
-                               (anchors.unsqueeze(-1) + offsets).view(count, -1)], dim=1)
+        positions = torch.cat(
+            [
+                torch.arange(length, device=anchors.device).expand(count, -1),
+                (anchors.unsqueeze(-1) + offsets).view(count, -1),
+            ],
+            dim=1,
+        )
         mask = training_mask(anchors, length, block, inputs.dtype)
         return self(self.context(features), inputs, positions, mask).view(count, anchors.shape[1], block, -1)
 

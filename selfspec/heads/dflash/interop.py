@@ -23,10 +23,20 @@ from .head import MAX_LAYERS, DFlashConfig, DFlashHead, draft_layer_config, reso
 
 
 def _expected_layer(target: Target, num_layers: int | None = None) -> dict:
-    """The draft-layer config values a speculators DFlash directory must carry to be one selfspec builds for `target`."""
+    """The draft-layer config values a speculators DFlash directory must carry to be one selfspec builds for
+    `target`."""
     config = draft_layer_config(target, num_layers or 1)
-    expected = {key: getattr(config, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                      "num_key_value_heads", "head_dim", "vocab_size")}
+    expected = {
+        key: getattr(config, key)
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+        )
+    }
     return {"model_type": "qwen3", **expected}
 
 
@@ -35,7 +45,9 @@ def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
     content = read_speculators(directory, target, "dflash", _expected_layer(target))
     fields, where = content.fields, f"'{directory}'"
     if fields.get("sample_from_anchor"):
-        raise SelfspecError(f"{where} drafts from the anchor position too (sample_from_anchor), which selfspec's DFlash does not")
+        raise SelfspecError(
+            f"{where} drafts from the anchor position too (sample_from_anchor), which selfspec's DFlash does not"
+        )
     if fields.get("mask_token_id") is None:
         raise SelfspecError(f"{where} has no mask_token_id in its config.json")
     layers = content.layer_config.get("num_hidden_layers")
@@ -43,23 +55,38 @@ def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
         raise SelfspecError(f"{where} has {layers!r} draft layers: selfspec's DFlash takes 1 to {MAX_LAYERS}")
     if content.layer_config.get("layer_types") and set(content.layer_config["layer_types"]) != {"full_attention"}:
         raise SelfspecError(f"{where} uses sliding-window draft layers, which selfspec's DFlash does not")
-    config = DFlashConfig(block_size=int(fields.get("block_size") or 8), num_layers=layers,
-                          feature_layers=tuple(fields.get("aux_hidden_state_layer_ids") or ()),
-                          draft_vocab_size=len(content.draft_vocab), mask_token_id=int(fields["mask_token_id"]),
-                          own_lm_head=content.own_lm_head)
-    config = DFlashConfig(**{**config.__dict__, "feature_layers": resolve_feature_layers(config, target.config.num_hidden_layers)})
+    config = DFlashConfig(
+        block_size=int(fields.get("block_size") or 8),
+        num_layers=layers,
+        feature_layers=tuple(fields.get("aux_hidden_state_layer_ids") or ()),
+        draft_vocab_size=len(content.draft_vocab),
+        mask_token_id=int(fields["mask_token_id"]),
+        own_lm_head=content.own_lm_head,
+    )
+    config = DFlashConfig(
+        **{**config.__dict__, "feature_layers": resolve_feature_layers(config, target.config.num_hidden_layers)}
+    )
     state = {**content.state, "draft_vocab": content.draft_vocab}
-    return HeadArtifact("dflash", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier})
+    return HeadArtifact(
+        "dflash", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier}
+    )
 
 
 def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtype: str = "bfloat16") -> Path:
     """`selfspec export --format speculators`: dflash heads (selfspec's or speculators') -> a speculators directory."""
     head = head_for_export(target, heads_dir, "dflash", DFlashConfig, DFlashHead, imported_artifact)
     state = export_state(head)
-    fields = {"block_size": head.config.block_size, "aux_hidden_state_layer_ids": list(head.feature_layers),
-              "mask_token_id": head.config.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": False}
+    fields = {
+        "block_size": head.config.block_size,
+        "aux_hidden_state_layer_ids": list(head.feature_layers),
+        "mask_token_id": head.config.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+    }
     layer_config = config_document(head.layer_config, "float32", num_hidden_layers=head.config.num_layers)
-    draft = SpeculatorsDraft("dflash", fields, layer_config, state, head.draft_vocab, head.config.block_size - 1, verifier)
+    draft = SpeculatorsDraft(
+        "dflash", fields, layer_config, state, head.draft_vocab, head.config.block_size - 1, verifier
+    )
     return write_speculators(Path(out), target, draft, dtype)
 
 

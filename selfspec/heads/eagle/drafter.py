@@ -64,7 +64,8 @@ class EagleFamilyHead(ReducedVocabHead):
         return torch.cat([hidden[layer] for layer in self.feature_layers], dim=-1)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [..., F] -> the feature the head's forward reads [..., H] (EAGLE-1 reads them as they are)."""
+        """Target features [..., F] -> the feature the head's forward reads [..., H] (EAGLE-1 reads them as they
+        are)."""
         return features
 
 
@@ -86,8 +87,12 @@ class EagleHead(EagleFamilyHead):
         fused = self.fc(torch.cat([features, self.embed(tokens, features.dtype)], dim=-1))
         position_embeddings = self.rotary(fused, position_ids)
         output = self.layer(
-            fused, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-            use_cache=cache is not None, position_embeddings=position_embeddings,
+            fused,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
         )
         return output[0] if isinstance(output, tuple) else output
 
@@ -139,7 +144,9 @@ def grow_tree(
         chosen = [i for i in chosen if scores[i] >= cut]
         if not chosen:
             break
-        frontier = Frontier(chosen, expand(chosen, [tokens[i] for i in chosen], [parents[i] for i in chosen], level + 1))
+        frontier = Frontier(
+            chosen, expand(chosen, [tokens[i] for i in chosen], [parents[i] for i in chosen], level + 1)
+        )
         base_scores = [scores[i] for i in chosen]
     # Rerank: the best nodes overall; a child's score never beats its parent's, and ties keep the earlier (parent).
     order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
@@ -149,7 +156,6 @@ def grow_tree(
     kept_tokens = [tokens[i] for i in kept]
     kept_parents = [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept]  # a child never outranks its parent
     return kept_tokens, kept_parents
-
 
 
 @register_drafter("eagle", options=EagleOptions, config=EagleConfig, recipe="selfspec.training.eagle:train_eagle")
@@ -174,7 +180,9 @@ class EagleDrafter(VocabHeadDrafter):
     def _run(self, features, tokens, positions, mask) -> torch.Tensor:
         """One head forward of new pairs after the cache -> [n, H] predicted features (the pairs' KV is cached)."""
         dtype = self.head.fc.weight.dtype
-        return self.head(features.to(dtype).unsqueeze(0), tokens.view(1, -1), positions.view(1, -1), mask, self.cache)[0]
+        return self.head(features.to(dtype).unsqueeze(0), tokens.view(1, -1), positions.view(1, -1), mask, self.cache)[
+            0
+        ]
 
     def observe(self, observation: Observation) -> None:
         """Queue the new (feature, token) pairs; the head reads them at the next proposal, in one forward however many
@@ -192,7 +200,8 @@ class EagleDrafter(VocabHeadDrafter):
         self.pending.append((hidden[:count], tokens[:count]))
 
     def _catch_up(self) -> None:
-        """Run the head over the queued pairs: their KV joins the head's cache, the last one gives the root's children."""
+        """Run the head over the queued pairs: their KV joins the head's cache, the last one gives the root's
+        children."""
         if not self.pending:
             return
         hidden = torch.cat([rows for rows, _ in self.pending])
@@ -241,6 +250,8 @@ class EagleDrafter(VocabHeadDrafter):
             return torch.log_softmax(self.head.draft_logits(outputs).float(), dim=-1)
 
         with torch.inference_mode():
-            tokens, parents = grow_tree(self.root_log_probs, expand, self.top_k, min(self.depth, request.max_depth), self.tree_size)
+            tokens, parents = grow_tree(
+                self.root_log_probs, expand, self.top_k, min(self.depth, request.max_depth), self.tree_size
+            )
         trim_cache(self.cache, committed)
         return self.head.tree_from_draft_ids(request.root_token, tokens, parents)

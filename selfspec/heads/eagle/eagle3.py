@@ -82,7 +82,11 @@ class Eagle3Head(EagleFamilyHead):
         attention = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # they read [embedding, feature]: twice the width
             projection = getattr(attention, name)
-            setattr(attention, name, torch.nn.Linear(2 * hidden_size, projection.out_features, bias=projection.bias is not None))
+            setattr(
+                attention,
+                name,
+                torch.nn.Linear(2 * hidden_size, projection.out_features, bias=projection.bias is not None),
+            )
         layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
         self.layers = torch.nn.ModuleList([layer])
         self.norm = copy.deepcopy(model.model.norm)  # the head's own; starts as the target's final norm
@@ -101,7 +105,10 @@ class Eagle3Head(EagleFamilyHead):
         residual = normed if self.config.norm_before_residual else features
         joined = torch.cat([layer.input_layernorm(self.embed(tokens, features.dtype)), normed], dim=-1)  # [B, T, 2H]
         attended = layer.self_attn(
-            hidden_states=joined, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+            hidden_states=joined,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
             position_embeddings=self.rotary(features, position_ids),
         )[0]
         if self.style == "sandwich":  # Gemma-2: norms after both sublayers too
@@ -117,8 +124,10 @@ class Eagle3Head(EagleFamilyHead):
 def check_layer_type(target: Target) -> None:
     model_type = getattr(target.config, "model_type", None)
     if model_type not in LAYER_TYPES:
-        raise SelfspecError(f"speculators defines EAGLE-3 draft layers for {', '.join(LAYER_TYPES)} models, not "
-                            f"'{model_type}': this head can be used in selfspec but not exported")
+        raise SelfspecError(
+            f"speculators defines EAGLE-3 draft layers for {', '.join(LAYER_TYPES)} models, not "
+            f"'{model_type}': this head can be used in selfspec but not exported"
+        )
 
 
 def _layer_config(target: Target) -> dict:
@@ -128,24 +137,37 @@ def _layer_config(target: Target) -> dict:
     config.tie_word_embeddings = False
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
-    return config_document(config, str(target.dtype).removeprefix("torch."), num_hidden_layers=1, vocab_size=target.vocab_size)
+    return config_document(
+        config, str(target.dtype).removeprefix("torch."), num_hidden_layers=1, vocab_size=target.vocab_size
+    )
 
 
 def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
     """A speculators EAGLE-3 directory -> the eagle3 head artifact for `target` (fingerprinted to it: checked here)."""
-    expected = {"model_type": target.config.model_type, "hidden_size": target.config.hidden_size,
-                "vocab_size": target.vocab_size, "num_hidden_layers": 1}
+    expected = {
+        "model_type": target.config.model_type,
+        "hidden_size": target.config.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_hidden_layers": 1,
+    }
     content = read_speculators(directory, target, "eagle3", expected)
     for option in _UNSUPPORTED_OPTIONS:
         if content.fields.get(option):
-            raise SelfspecError(f"'{directory}' uses the speculators option {option}, which selfspec's EAGLE-3 head does not implement")
-    config = Eagle3Config(draft_vocab_size=len(content.draft_vocab),
-                          feature_layers=tuple(content.fields.get("eagle_aux_hidden_state_layer_ids") or ()),
-                          norm_before_residual=bool(content.fields.get("norm_before_residual")), own_lm_head=content.own_lm_head)
+            raise SelfspecError(
+                f"'{directory}' uses the speculators option {option}, which selfspec's EAGLE-3 head does not implement"
+            )
+    config = Eagle3Config(
+        draft_vocab_size=len(content.draft_vocab),
+        feature_layers=tuple(content.fields.get("eagle_aux_hidden_state_layer_ids") or ()),
+        norm_before_residual=bool(content.fields.get("norm_before_residual")),
+        own_lm_head=content.own_lm_head,
+    )
     layers = resolve_eagle3_layers(config, target.config.num_hidden_layers)
     config = Eagle3Config(**{**config.__dict__, "feature_layers": layers})
     state = {**content.state, "draft_vocab": content.draft_vocab}
-    return HeadArtifact("eagle3", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier})
+    return HeadArtifact(
+        "eagle3", config, state, target.fingerprint, {"imported_from": "speculators", "verifier": content.verifier}
+    )
 
 
 @register_drafter("eagle3", options=Eagle3Options, config=Eagle3Config, recipe="selfspec.training.eagle:train_eagle3")
@@ -161,10 +183,15 @@ def export_heads(target: Target, heads_dir: Path, out: Path, verifier: str, dtyp
     check_layer_type(target)
     head = head_for_export(target, heads_dir, "eagle3", Eagle3Config, Eagle3Head, imported_artifact)
     state = export_state(head)
-    fields = {"eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
-              "norm_before_residual": head.config.norm_before_residual,
-              **{option: False for option in _UNSUPPORTED_OPTIONS}, "embed_requires_grad": False}
-    draft = SpeculatorsDraft("eagle3", fields, _layer_config(target), state, head.draft_vocab, head.config.depth, verifier)
+    fields = {
+        "eagle_aux_hidden_state_layer_ids": list(head.feature_layers),
+        "norm_before_residual": head.config.norm_before_residual,
+        **{option: False for option in _UNSUPPORTED_OPTIONS},
+        "embed_requires_grad": False,
+    }
+    draft = SpeculatorsDraft(
+        "eagle3", fields, _layer_config(target), state, head.draft_vocab, head.config.depth, verifier
+    )
     return write_speculators(Path(out), target, draft, dtype)
 
 

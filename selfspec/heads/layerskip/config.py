@@ -43,7 +43,15 @@ class LayerSkipOptions:
             raise SelfspecError(f"layerskip: skip must be 'tuned' or 'every-other', got '{self.skip}'")
 
     def overrides(self) -> dict:
-        names = ("skip_attention", "skip_mlp", "threshold", "max_draft", "branch_threshold", "target_acceptance", "adapt_step")
+        names = (
+            "skip_attention",
+            "skip_mlp",
+            "threshold",
+            "max_draft",
+            "branch_threshold",
+            "target_acceptance",
+            "adapt_step",
+        )
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 

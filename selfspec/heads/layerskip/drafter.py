@@ -23,16 +23,26 @@ from .skip_file import find_skip_file, load_skip_file
 
 @register_drafter("layerskip", options=LayerSkipOptions, config=LayerSkipSettings)
 class LayerSkipDrafter(Drafter):
-    def __init__(self, target: Target, cost_curve: CostCurve, settings: LayerSkipSettings,
-                 draft_vocab: torch.Tensor | None = None, options: LayerSkipOptions = LayerSkipOptions()):
+    def __init__(
+        self,
+        target: Target,
+        cost_curve: CostCurve,
+        settings: LayerSkipSettings,
+        draft_vocab: torch.Tensor | None = None,
+        options: LayerSkipOptions = LayerSkipOptions(),
+    ):
         super().__init__(target, cost_curve, options)
         self.settings = settings
         self.adaptive = options.adaptive
-        self.forward = SkippingForward(target, SkipPlan.from_settings(settings, target.config.num_hidden_layers), draft_vocab)
+        self.forward = SkippingForward(
+            target, SkipPlan.from_settings(settings, target.config.num_hidden_layers), draft_vocab
+        )
         self.reset()
 
     @classmethod
-    def load(cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: LayerSkipOptions) -> "LayerSkipDrafter":
+    def load(
+        cls, target: Target, heads_dir: Path | None, cost_curve: CostCurve, options: LayerSkipOptions
+    ) -> "LayerSkipDrafter":
         """skip=tuned: the tuned set for this model (--heads names a file or directory of one); skip=every-other: the
         hand-made baseline. Settings options override the tuned ones (threshold=0.3, max_draft=4, ...)."""
         if options.skip == "every-other":
@@ -95,7 +105,7 @@ class LayerSkipDrafter(Drafter):
         chain_node = 0  # the deepest chain node so far; sibling leaves are never continued
         single_start, singles = 0.0, 0  # the one-token draft forwards after the catch-up, timed (pacing.DraftCost)
         with torch.inference_mode():
-            logits = self._draft_logits(self.committed[len(self.cached):])  # the root, and any token not yet seen
+            logits = self._draft_logits(self.committed[len(self.cached) :])  # the root, and any token not yet seen
             for depth in range(1, limit + 1):
                 top = torch.softmax(logits.float(), dim=-1).topk(2)
                 top_probs = top.values.tolist()  # one host sync per drafted token

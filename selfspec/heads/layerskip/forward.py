@@ -36,7 +36,9 @@ class SkippingForward:
         self.lm_bias = None if bias is None else (bias if draft_vocab is None else bias[draft_vocab.to(bias.device)])
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
-    def __call__(self, input_ids: torch.Tensor, cache: DynamicCache, cached: int, last_only: bool = False) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, cache: DynamicCache, cached: int, last_only: bool = False
+    ) -> torch.Tensor:
         """input_ids [n] after `cached` positions already in `cache` -> draft logits [n, V_draft] (or [1, V_draft] for
         the last position only); appends their KV."""
         n = input_ids.shape[0]
@@ -47,8 +49,12 @@ class SkippingForward:
         masks = {window: self._mask(cached, n, window, hidden.dtype, device) for window in set(self.windows)}
         for index, layer in enumerate(self.layers):
             run_attention, run_mlp = self.plan.run_attention[index], self.plan.run_mlp[index]
-            kwargs = dict(attention_mask=masks[self.windows[index]], position_ids=positions, past_key_values=cache,
-                          position_embeddings=rotary)
+            kwargs = dict(
+                attention_mask=masks[self.windows[index]],
+                position_ids=positions,
+                past_key_values=cache,
+                position_embeddings=rotary,
+            )
             if run_attention and run_mlp and not self.split_all:
                 output = layer(hidden, use_cache=True, **kwargs)
                 hidden = output[0] if isinstance(output, tuple) else output
@@ -59,7 +65,9 @@ class SkippingForward:
                 hidden = hidden + (layer.post_attention_layernorm(attended) if sandwich else attended)
             if run_mlp:
                 if sandwich:
-                    hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+                    hidden = hidden + layer.post_feedforward_layernorm(
+                        layer.mlp(layer.pre_feedforward_layernorm(hidden))
+                    )
                 else:
                     hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if last_only:

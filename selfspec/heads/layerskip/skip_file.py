@@ -58,7 +58,13 @@ def _read(path: Path) -> dict:
         document = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise SelfspecError(f"{path} is not a readable skip-set file ({error})") from None
-    if not isinstance(document, dict) or set(document) != {"drafter", "fingerprint", "settings", "draft_vocab", "study"}:
+    if not isinstance(document, dict) or set(document) != {
+        "drafter",
+        "fingerprint",
+        "settings",
+        "draft_vocab",
+        "study",
+    }:
         raise SelfspecError(f"{path}: expected the keys drafter, fingerprint, settings, draft_vocab, study")
     return document
 

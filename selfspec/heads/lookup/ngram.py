@@ -15,7 +15,7 @@ from ...errors import SelfspecError
 from ...models import Target
 from ...pacing import AcceptanceCalibration
 from ...tree_attention import DraftTree
-from ..base import DraftRequest, Drafter, Observation, register_drafter
+from ..base import Drafter, DraftRequest, Observation, register_drafter
 
 _PRIOR_WEIGHT = 4.0  # drafted tokens the prior acceptance estimate is worth
 
@@ -31,7 +31,9 @@ class NgramOptions:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise SelfspecError(f"{self.drafter} sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+            raise SelfspecError(
+                f"{self.drafter} sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
+            )
         if self.max_candidates < 1 or self.max_draft < 1:
             raise SelfspecError(f"{self.drafter}: max_candidates and max_draft must be >= 1")
         if not 0.0 <= self.prior_acceptance <= 1.0:
@@ -78,7 +80,6 @@ class TokenIndex:
 # not pay), and a lookup is a dict access: the loop's probe-and-pause would only miss the stretches it copies.
 @register_drafter("ngram", options=NgramOptions, paces_itself=True)
 class NgramDrafter(Drafter):
-
     def __init__(self, target: Target, cost_curve: CostCurve, options: NgramOptions = NgramOptions()):
         super().__init__(target, cost_curve, options)
         self.ngram_sizes = tuple(range(options.max_ngram, options.min_ngram - 1, -1))  # longest first
