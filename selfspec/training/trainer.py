@@ -156,7 +156,7 @@ def train(
         tqdm.write(f"starting fresh (no --resume): the earlier run's checkpoints moved to {previous}")
     progress = _start_or_resume(checkpoint_dir, resume, accelerator.unwrap_model(head), optimizer, scheduler, settings)
     fetch = get_batch or (lambda indices: [get_sequence(index) for index in indices])
-    first_metric = getattr(accelerator.unwrap_model(head), "first_draft_metric", None)
+    first_metric = accelerator.unwrap_model(head).first_draft_metric
     resumed_from = progress.step
     head.train()
     bar = tqdm(
