@@ -1,0 +1,312 @@
+"""What each command does with its parsed arguments. Heavy imports happen inside the commands, after the cheap
+checks, so bad input fails before a model loads."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, name)
+
+
+def _load_spec(args, needs_text: str | None = None):
+    """The SelfSpec the model and drafter arguments name; `needs_text`: the command, which cannot run without a
+    tokenizer."""
+    from ..api import SelfSpec
+    from ..errors import SelfspecError
+
+    spec = SelfSpec(
+        args.model,
+        drafter=args.drafter,
+        heads=args.heads,
+        device=args.device,
+        dtype=_dtype(args.dtype),
+        kernels=args.kernels,
+    )
+    if needs_text and spec.target.tokenizer is None:
+        raise SelfspecError(f"'{args.model}' has no tokenizer: {needs_text} needs one to read and show text")
+    return spec
+
+
+def _generate(args) -> None:
+    from ..errors import SelfspecError
+    from ..heads import parse_drafter_options
+    from ..sampling import SamplingConfig
+
+    # Cheap checks first, so bad input fails before a model is loaded.
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    parse_drafter_options(args.drafter)
+    if args.max_new_tokens <= 0:
+        raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise SelfspecError("the prompt is empty: pass some text with --prompt")
+    spec = _load_spec(args)
+    result = spec.generate(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        pace=args.pace,
+        stream=lambda piece: print(piece, end="", flush=True),
+        chat=not args.raw,
+    )
+    print()
+    contributions = spec.drafter.stats().contributions()
+    sources = f" accepted by source: {contributions}" if contributions else ""
+    print(
+        f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} "
+        f"{result.stats.summary()}{sources}",
+        file=sys.stderr,
+    )
+
+
+def _chat(args) -> None:
+    from ..chat import main_loop
+    from ..errors import SelfspecError
+    from ..heads import parse_drafter_options
+    from ..sampling import SamplingConfig
+
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # cheap checks first
+    parse_drafter_options(args.drafter)
+    if args.max_new_tokens <= 0:
+        raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    main_loop(_load_spec(args, needs_text="chat"), args)
+
+
+def _demo(args) -> None:
+    from ..demo import MAX_NEW_TOKENS_LIMIT, DemoState, bind, serve
+    from ..errors import SelfspecError
+    from ..heads import parse_drafter_options
+
+    parse_drafter_options(args.drafter)  # cheap checks first, then the port, then the model
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+        raise SelfspecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {args.max_new_tokens}")
+    if not 0 < args.port < 65536:
+        raise SelfspecError(f"--port must be between 1 and 65535, got {args.port}")
+    server = bind(args.host, args.port)
+    try:
+        spec = _load_spec(args, needs_text="the demo")
+    except BaseException:
+        server.server_close()
+        raise
+    state = DemoState(spec, args.heads, args.max_new_tokens)
+    print("selfspec demo: warming up (one short answer each way)", flush=True)
+    state.warm_up()
+    serve(server, state)
+
+
+def _profile(args) -> None:
+    import json
+
+    import torch
+
+    from ..cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
+    from ..execution import ExecutionPath, fast_path_available
+    from ..models import load_target
+
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    paths = {"stock": ExecutionPath(target.model, "stock")}
+    if fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock":
+        paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
+    if target.execution.name == "compiled":
+        paths["compiled"] = target.execution
+    times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
+    stored = {name: save_cost_curve(curve_from_times(times[name]), target.device, target.name, name) for name in paths}
+    split = {"fast_stock_rows": paths["fast"].dispatch.stock_rows} if "fast" in paths else {}
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "sizes": list(PROFILE_SIZES),
+                    "ms": {name: [round(times[name][n] * 1e3, 2) for n in PROFILE_SIZES] for name in paths},
+                    **split,
+                }
+            )
+        )
+        return
+    step = times["stock"][1]
+    header = "  ".join(f"{name + ' ms':>9}  {'x stock@1':>9}" for name in paths)
+    print(f"{'n_new_tokens':>12}  {header}")
+    for n in PROFILE_SIZES:
+        print(
+            f"{n:>12}  " + "  ".join(f"{times[name][n] * 1e3:>9.1f}  {times[name][n] / step:>9.2f}" for name in paths)
+        )
+    print(
+        f"cache of {args.cache_length} tokens, {torch.get_num_threads()} threads; the drafters use the "
+        f"'{target.execution.name}' curve{' (' + target.execution.note + ')' if target.execution.note else ''}"
+    )
+    if split:
+        dispatch = paths["fast"].dispatch
+        print(
+            f"fast path: linear layers take the stock kernel below {dispatch.stock_rows} rows, the packed one from "
+            f"there on ({dispatch.source})"
+        )
+    for name, path in stored.items():
+        print(f"{name} curve stored in {path}")
+
+
+def _bench(args) -> None:
+    from pathlib import Path
+
+    from ..bench.harness import BenchRequest, parse_drafters, parse_list, run_bench, valid_peers
+    from ..bench.prompts import DATASETS
+    from ..bench.runner import BenchSettings
+    from ..models import load_target
+    from ..sampling import SamplingConfig
+
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    request = BenchRequest(
+        drafters=parse_drafters(args.drafters),
+        datasets=parse_list(args.datasets, DATASETS, "dataset"),
+        peers=parse_list(args.peers, valid_peers(), "peer"),
+        limit=args.limit,
+        prompts_file=Path(args.prompts) if args.prompts else None,
+        out_dir=Path(args.out),
+        heads=Path(args.heads) if args.heads else None,
+        quick=args.quick,
+        command="selfspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "selfspec bench",
+    )
+    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, pace=args.pace)
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    print(run_bench(target, request, settings))
+
+
+def _train(args) -> None:
+    from ..training.config import load_recipe, tiny_scale
+    from ..training.pipeline import resolve_recipe, run_recipe
+
+    resolve_recipe(args.drafter)  # an unknown or untrainable drafter fails before the recipe is read
+    config = load_recipe(args.config, {"model": args.model, "out": args.out})
+    if args.tiny:
+        config = tiny_scale(config)
+    if config.drafter != args.drafter:
+        from ..errors import SelfspecError
+
+        raise SelfspecError(f"{args.config} is a '{config.drafter}' recipe, not '{args.drafter}'")
+    report = run_recipe(config, resume=args.resume, max_steps=args.max_steps)
+    heldout = report.get("heldout", {})
+    print(
+        f"heads written to {config.out}; held-out mean accepted length {heldout.get('mean_accepted_length', '-')}; "
+        f"report: {config.out}/training_report.json"
+    )
+
+
+def _tune(args) -> None:
+    from pathlib import Path
+
+    from ..heads.artifacts import SKIP_FILE
+    from ..heads.layerskip import user_skip_path
+    from ..models import load_target
+    from ..training.layerskip_search import TuneOptions, tune_layerskip
+
+    options = TuneOptions(
+        trials=args.trials,
+        seed=args.seed,
+        data=args.data,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        draft_vocab_size=args.draft_vocab_size,
+        max_draft=args.max_draft,
+        timing=not args.estimate_only,
+    )
+    if args.data != "sharegpt" and not Path(args.data).is_file():
+        from ..errors import SelfspecError
+
+        raise SelfspecError(f"calibration data '{args.data}' does not exist: pass 'sharegpt' or a JSONL file")
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    out = user_skip_path(target) if args.out is None else Path(args.out)
+    out = out if out.suffix == ".json" else out / SKIP_FILE
+    storage = Path(args.storage) if args.storage else out.with_name(out.stem + ".study.log")
+    summary = tune_layerskip(target, options, storage, out, command="selfspec " + " ".join(sys.argv[1:]))
+    best, baseline = summary["best"], summary.get("baseline_every_other_layer") or {}
+    print(
+        f"best of {summary['completed']} timed trials ({summary['pruned']} pruned): {best['value']} "
+        f"(baseline every-other-layer: {baseline.get('value', '-')}); plain decoding "
+        f"{summary.get('plain_tokens_per_s', '-')}"
+    )
+    print(
+        f"skips attention {best['skip_attention']}, MLP {best['skip_mlp']}, threshold {best['threshold']}, "
+        f"max draft {best['max_draft']}"
+    )
+    print(f"written to {out}; study in {storage}")
+
+
+def _medusa_tree(args) -> None:
+    from pathlib import Path
+
+    from ..models import load_target
+    from ..training.medusa_recipe import rebuild_tree
+
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)
+    print(f"tree of up to {result['nodes']} nodes from {result['sequences']} sequences written to {args.heads}")
+
+
+def _export(args) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from ..exchange import export_heads, exportable_kind
+    from ..heads.speculators import speculators_type
+    from ..models import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID, load_target
+
+    exportable_kind(Path(args.heads))  # bad input fails before the model loads
+    target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")  # weights are copied, not run
+    verifier = args.verifier or (
+        DEFAULT_MODEL_HUB_ID if args.model == DEFAULT_MODEL else str(Path(args.model).resolve())
+    )
+    out = export_heads(target, Path(args.heads), Path(args.out), verifier, args.weights_dtype)
+    print(f"speculators {speculators_type(out)} drafter written to {out} (verifier {verifier})")
+
+
+def _import(args) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from ..exchange import import_heads, importable_kind
+    from ..models import load_target
+
+    importable_kind(Path(args.source))  # bad input fails before the model loads
+    target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")
+    drafter, out = import_heads(target, Path(args.source), Path(args.out))
+    print(f"{drafter} heads written to {out}: use --drafter {drafter} --heads {out}")
+
+
+def _drafters(args) -> None:
+    from dataclasses import fields
+
+    from ..heads import drafter_entry, drafter_names
+
+    for name in drafter_names():
+        entry = drafter_entry(name)
+        options = ", ".join(f.name for f in fields(entry.options_cls)) or "-"
+        kind = (
+            "composite"
+            if entry.composite
+            else "trained"
+            if entry.recipe
+            else ("tuned" if entry.has_artifacts else "parameter-free")
+        )
+        print(f"{name:<10} {kind:<15} options: {options}")
+
+
+COMMANDS = {
+    "generate": _generate,
+    "chat": _chat,
+    "demo": _demo,
+    "profile": _profile,
+    "bench": _bench,
+    "train": _train,
+    "tune": _tune,
+    "medusa-tree": _medusa_tree,
+    "export": _export,
+    "import": _import,
+    "drafters": _drafters,
+}
