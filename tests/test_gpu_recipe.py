@@ -35,6 +35,7 @@ def test_gpu_recipes_train_on_100m_token_positions_from_the_whole_split(name):
     positions = config.train.batch_size * config.data.max_length * config.train.max_steps
     assert positions >= 100_000_000, f"{name}: {positions:,} token positions"
     assert (config.data.source, config.data.conversations, config.labels.storage) == ("sharegpt", None, "stream")
+    assert config.data.regenerate and config.data.original_conversations is None  # all regenerated + all original
     assert Path(config.out).parent == Path("runs/gpu-heads") and Path(config.work_dir).parent == Path("runs/gpu-heads")
     small = tiny_scale(config)
     assert small.out == f"{config.out}-tiny" and small.train.max_steps <= 4 and small.data.conversations <= 24
@@ -59,6 +60,11 @@ def test_make_heads_gpu_runs_at_a_tiny_scale_on_the_cpu(tmp_path, tiny_checkpoin
         assert ("regeneration" in throughput) == (drafter == "eagle3") and throughput["training"]["tokens"] > 0
         assert throughput["labels"]["counts"].endswith("(streamed)") and throughput["labels"]["tokens_per_s"] > 0
         assert (runs / name / "model.safetensors").is_file()
+        mix = report["data_mix"]  # both kinds, in the training and the calibration parts alike
+        assert set(mix) == {"regenerated", "original"} and all(part["calibration_sequences"] for part in mix.values())
+        assert sum(part["sequences"] for part in mix.values()) == report["training_sequences"] + sum(
+            part["calibration_sequences"] for part in mix.values()
+        )
     # Run again: the finished run resumes at its last step, regenerates and trains nothing more.
     assert main(commands[0] + ["--model", str(tiny_checkpoint)]) == 0
     report = json.loads((runs / "eagle3-smollm2-tiny" / "training_report.json").read_text())

@@ -29,7 +29,8 @@ from selfspec.training.trainer import collate, train
 from .helpers import hf_greedy, tiny_recipe, tiny_training_setup
 
 
-def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch):
+@pytest.mark.parametrize("originals", [0, None], ids=["regenerated", "regenerated+original"])
+def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch, originals):
     splits = []
     real = sharegpt_module.load_sharegpt
 
@@ -42,8 +43,10 @@ def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_
     ids = {c.id for c in conversations}
     assert len(ids) == 98 and "r98" not in ids and "r99" not in ids and "torn" not in ids
     config = tiny_recipe(tmp_path, tiny_checkpoint)
+    config = replace(config, data=replace(config.data, original_conversations=originals))
     train_examples, calibration = prepare_examples(load_target(config.model), config)
     assert splits and set(splits) == {"train"}
+    assert ("original" in {e.kind for e in train_examples}) == (originals is None)
     assert {e.id for e in train_examples + calibration} <= {f"r{i}" for i in range(98)}
 
 

@@ -25,6 +25,9 @@ class DataConfig:
     seed: int = 0
     max_length: int = 512  # tokens per training sequence (longer ones are cut)
     regenerate: bool = True  # replace assistant replies by the target's own greedy replies
+    # With regenerate: also this many conversations as they are (all turns, ShareGPT's own replies), the first ones
+    # of the same seeded order as `conversations`, beside the regenerated ones; null = all; 0 = none.
+    original_conversations: int | None = 0
     max_prompt_tokens: int = 256  # regeneration: skip conversations whose first user turn is longer
     max_new_tokens: int = 192  # regeneration: reply length cap
     regenerate_batch_size: int = 48
@@ -32,6 +35,18 @@ class DataConfig:
         "batched"  # "batched" (HF generate, many prompts at once) or "selfspec" (lossless, one by one)
     )
     calibration_fraction: float = 0.05  # the last part of the data: never trained on; measures top-k accuracies
+
+    def __post_init__(self) -> None:  # checked when the recipe is read, not after hours of regeneration
+        if self.original_conversations is not None and self.original_conversations < 0:
+            raise SelfspecError(
+                f"data.original_conversations must be >= 0 (null: all), got {self.original_conversations}"
+            )
+        if not self.regenerate and self.original_conversations != 0:
+            raise SelfspecError(
+                "data.original_conversations adds the original conversations beside regenerated ones; with "
+                "data.regenerate false the data is the original conversations already: leave it 0 and size it "
+                "with data.conversations"
+            )
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ def tiny_scale(config: RecipeConfig) -> RecipeConfig:
     vocabulary) stay as they are. Outputs go beside the real ones with a `-tiny` suffix, so a smoke run never
     leaves its short replies or checkpoints where the real run would resume from them."""
     data, train, evaluation = config.data, config.train, config.eval
+    originals = data.original_conversations
     return replace(
         config,
         out=f"{config.out}-tiny",
@@ -129,6 +145,7 @@ def tiny_scale(config: RecipeConfig) -> RecipeConfig:
         data=replace(
             data,
             conversations=min(data.conversations or 24, 24),
+            original_conversations=0 if originals == 0 else min(originals or 24, 24),  # null (all) too
             max_length=min(data.max_length, 64),
             max_prompt_tokens=min(data.max_prompt_tokens, 48),
             max_new_tokens=min(data.max_new_tokens, 8),

@@ -29,6 +29,7 @@ class Example:
     id: str
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] bool; True where the token is one heads should learn to predict (assistant text)
+    kind: str = "original"  # "original": the conversation as it is; "regenerated": the target wrote the reply
 
 
 def load_conversations(source: str, limit: int | None = None, seed: int = 0) -> list[Conversation]:
@@ -81,7 +82,9 @@ def _record_to_conversation(record, where: str) -> Conversation:
     return Conversation(id=str(record.get("id", where)), messages=tuple(messages))
 
 
-def tokenize_conversation(target: Target, conversation: Conversation, max_length: int) -> Example | None:
+def tokenize_conversation(
+    target: Target, conversation: Conversation, max_length: int, kind: str = "original"
+) -> Example | None:
     """Render through the chat template; the loss mask covers the assistant turns' tokens (their end marker too).
 
     Spans come from rendering growing prefixes of the conversation, which stay prefixes of the whole rendering for
@@ -105,7 +108,7 @@ def tokenize_conversation(target: Target, conversation: Conversation, max_length
     ids, mask = ids[:max_length], mask[:max_length]
     if len(ids) < 2 or not any(mask[1:]):
         return None
-    return Example(conversation.id, torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
+    return Example(conversation.id, torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), kind)
 
 
 # ---- regeneration: the target writes the assistant replies ----------------------------------------------------------

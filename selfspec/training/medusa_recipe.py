@@ -73,6 +73,7 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         if config.labels.storage == "cache"
         else None,
         "calibration_sequences": len(calibration),
+        "data_mix": data.mix,
         "draft_vocab_size": len(draft_vocab),
         "steps": summary.steps,
         "resumed_from": summary.resumed_from,

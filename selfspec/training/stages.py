@@ -8,6 +8,7 @@ registry, so there is no import cycle between them.
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from tqdm.auto import tqdm
 from ..errors import SelfspecError
 from ..heads.artifacts import save_head
 from ..models import Target
-from .config import RecipeConfig
+from .config import DataConfig, RecipeConfig
 from .data import Example, load_conversations, regenerate, tokenize_conversation
 from .labels import LabeledSequence, build_label_cache, label_batch, label_sequence, load_label_cache
 from .throughput import StageCount, machine, stage_entry
@@ -37,30 +38,119 @@ def prepare_examples(
     target: Target, config: RecipeConfig, regenerated: StageCount | None = None
 ) -> tuple[list[Example], list[Example]]:
     """(training examples, calibration examples). Reads only the ShareGPT training split. `regenerated` receives
-    the regeneration's counts."""
+    the regeneration's counts.
+
+    With `data.regenerate` the examples are the conversations' first user turns with the target's own replies, and
+    the first `data.original_conversations` of the same seeded order as they are (every turn, their own replies)
+    beside them (mix_examples); without it, the conversations as they are. Prints one line stating the mix."""
     data = config.data
-    conversations = load_conversations(data.source, limit=data.conversations, seed=data.seed)
-    if data.regenerate:
-        path = regenerate(
-            target,
-            conversations,
-            config.work_path / "regenerated.jsonl",
-            max_prompt_tokens=data.max_prompt_tokens,
-            max_new_tokens=data.max_new_tokens,
-            batch_size=data.regenerate_batch_size,
-            engine=data.regenerate_engine,
-            count=regenerated,
-        )
-        # Keep the sample's order (not the file's batch order), so an interrupted or re-batched run gives the same data.
-        rank = {conversation.id: index for index, conversation in enumerate(conversations)}
-        replied = (c for c in load_conversations(str(path)) if c.id in rank and c.messages[-1]["content"].strip())
-        conversations = sorted(replied, key=lambda c: rank[c.id])
-    examples = [e for e in (tokenize_conversation(target, c, data.max_length) for c in conversations) if e is not None]
+    sample = load_conversations(data.source, seed=data.seed)  # the whole split, in the seeded order
+    conversations = sample[: data.conversations] if data.conversations else sample
+    if not data.regenerate:
+        training, calibration = split_calibration(_tokenized(target, conversations, data.max_length, "original"), data)
+    else:
+        replies = _regenerated_conversations(target, conversations, config, regenerated)
+        examples = _tokenized(target, replies, data.max_length, "regenerated")
+        if data.original_conversations == 0:
+            training, calibration = split_calibration(examples, data)
+        else:
+            chosen = sample[: data.original_conversations] if data.original_conversations else sample
+            originals = _tokenized(target, chosen, data.max_length, "original")
+            training, calibration = mix_examples(examples, originals, data.calibration_fraction, data.seed)
+    if not training:  # a mix of a conversation or two: all of it went to calibration
+        raise SelfspecError(f"only {len(calibration)} usable sequences, none left to train on: use more conversations")
+    tqdm.write(describe_mix(data_mix(training, calibration)))
+    return training, calibration
+
+
+def _regenerated_conversations(target: Target, conversations, config: RecipeConfig, count: StageCount | None):
+    """The conversations' first exchanges with the target's replies (regenerated where missing), in the sample's order
+    (not the file's batch order), so an interrupted or re-batched run gives the same data."""
+    data = config.data
+    path = regenerate(
+        target,
+        conversations,
+        config.work_path / "regenerated.jsonl",
+        max_prompt_tokens=data.max_prompt_tokens,
+        max_new_tokens=data.max_new_tokens,
+        batch_size=data.regenerate_batch_size,
+        engine=data.regenerate_engine,
+        count=count,
+    )
+    rank = {conversation.id: index for index, conversation in enumerate(conversations)}
+    replied = (c for c in load_conversations(str(path)) if c.id in rank and c.messages[-1]["content"].strip())
+    return sorted(replied, key=lambda c: rank[c.id])
+
+
+def _tokenized(target: Target, conversations, max_length: int, kind: str) -> list[Example]:
+    examples = (tokenize_conversation(target, c, max_length, kind) for c in conversations)
+    return [example for example in examples if example is not None]
+
+
+def split_calibration(examples: list[Example], data: DataConfig) -> tuple[list[Example], list[Example]]:
+    """One kind of data: the last `calibration_fraction` (at least one sequence) is the calibration part."""
     if len(examples) < 2:
         raise SelfspecError(f"only {len(examples)} usable training sequences: use more conversations")
     calibration = max(1, math.ceil(len(examples) * data.calibration_fraction))
-    tqdm.write(f"data: {len(examples) - calibration} training and {calibration} calibration sequences")
     return examples[:-calibration], examples[-calibration:]
+
+
+def mix_examples(
+    regenerated: list[Example], original: list[Example], fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(training, calibration) from both kinds, each given in the sample's seeded order.
+
+    The calibration part (`fraction` of all sequences, at least one) takes the last examples of each kind, as many as
+    the kind's share of the sequences (at least one of each once it has two places), and with them the other kind's
+    example of the same conversations, so no conversation is both trained on and calibrated on. Each part is then
+    shuffled with `seed`, so any stretch of it, such as the first streamed sequences a draft vocabulary is counted
+    on, holds both kinds. All of it is a function of the sample's order and the seed: a resumed run gets the same
+    data whatever order its regeneration file is in."""
+    total = len(regenerated) + len(original)
+    places = max(1, math.ceil(total * fraction))
+    from_original = round(places * len(original) / max(total, 1))
+    if places >= 2 and regenerated and original:
+        from_original = min(max(from_original, 1), places - 1)
+    from_regenerated = places - from_original
+    held = {e.id for e in regenerated[max(0, len(regenerated) - from_regenerated) :]}
+    held |= {e.id for e in original[max(0, len(original) - from_original) :]}
+    training = [e for e in regenerated + original if e.id not in held]
+    calibration = [e for e in regenerated + original if e.id in held]
+    rng = random.Random(seed)
+    rng.shuffle(training)
+    rng.shuffle(calibration)
+    return training, calibration
+
+
+KINDS = ("regenerated", "original")
+
+
+def data_mix(training: list[Example], calibration: list[Example]) -> dict:
+    """The report's `data_mix`: per kind of sequence, how many (and how many of them in the calibration part), their
+    real token positions and, of those, the assistant positions the loss covers."""
+    mix = {}
+    for kind in KINDS:
+        chosen = [e for e in training + calibration if e.kind == kind]
+        if chosen:
+            mix[kind] = {
+                "sequences": len(chosen),
+                "calibration_sequences": sum(e.kind == kind for e in calibration),
+                "positions": sum(len(e.input_ids) for e in chosen),
+                "assistant_positions": sum(int(e.loss_mask.sum()) for e in chosen),
+            }
+    return mix
+
+
+def describe_mix(mix: dict) -> str:
+    """One line: e.g. `data: 9,180 regenerated + 16,700 original sequences (31% / 69% of 12.3M positions); ...`."""
+    positions = sum(part["positions"] for part in mix.values())
+    calibration = sum(part["calibration_sequences"] for part in mix.values())
+    sequences = sum(part["sequences"] for part in mix.values())
+    kinds = " + ".join(f"{part['sequences']:,} {kind}" for kind, part in mix.items())
+    shares = " / ".join(f"{part['positions'] / max(positions, 1):.0%}" for part in mix.values())
+    scale = f"{positions / 1e6:.1f}M" if positions >= 1e6 else f"{positions:,}"
+    of = f"{shares} of {scale} positions" if len(mix) > 1 else f"{scale} positions"
+    return f"data: {kinds} sequences ({of}); {sequences - calibration:,} training, {calibration:,} calibration"
 
 
 def label_examples(
@@ -99,6 +189,7 @@ class RecipeData:
     calibration_examples: list[Example]
     calibration: list[LabeledSequence] | None  # labelled calibration sequences, when asked for
     regenerated: StageCount  # the regeneration done in this invocation
+    mix: dict  # sequences and positions of each kind (data_mix)
 
 
 def recipe_data(
@@ -118,7 +209,8 @@ def recipe_data(
         else None
     )
     timings["labels_s"] = round(time.perf_counter() - began, 1)
-    return RecipeData(train_data, calibration_examples, calibration, regenerated)
+    mix = data_mix(train_examples, calibration_examples)
+    return RecipeData(train_data, calibration_examples, calibration, regenerated, mix)
 
 
 def train_head(module, data: RecipeData, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict):
@@ -204,6 +296,7 @@ def train_and_save(
         "drafter": config.drafter,
         "training_sequences": data.train.count,
         "calibration_sequences_unused": len(data.calibration_examples),
+        "data_mix": data.mix,
         **report,
         "draft_vocab_size": len(head.draft_vocab),
         "steps": summary.steps,
