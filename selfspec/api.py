@@ -10,6 +10,7 @@ import torch
 from .decoding import GenerationResult, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
+from .memory import release_freed_memory
 from .models import DEFAULT_MODEL, Target, load_target
 from .pacing import Pacing
 from .sampling import SamplingConfig
@@ -135,4 +136,5 @@ class SelfSpec:
             pace=pace,
             pacing=self.pacing,
         )
+        release_freed_memory()  # a long-lived object: what the request freed goes back to the system (memory.py)
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)
