@@ -479,3 +479,18 @@ def tiny_training_setup(tiny_checkpoint, count=12, layers=(-1,)):
         return MedusaTraining(MedusaHeads(config, target, torch.arange(target.vocab_size)), 0.8)
 
     return target, sequences, make
+
+
+def record_sharegpt_splits(monkeypatch) -> list[str]:
+    """The ShareGPT splits the training data code reads from now on, in order (a test's proof that it never reads the
+    held-out one)."""
+    import selfspec.training.sharegpt as sharegpt_module
+
+    splits, real = [], sharegpt_module.load_sharegpt
+
+    def spy(split, path=None):
+        splits.append(split)
+        return real(split, path)
+
+    monkeypatch.setattr("selfspec.training.data.load_sharegpt", spy)
+    return splits

@@ -19,7 +19,7 @@ from selfspec.training.config import DataConfig, load_recipe, tiny_scale
 from selfspec.training.data import Example, load_conversations
 from selfspec.training.stages import data_mix, mix_examples, prepare_examples
 
-from .helpers import WORDS, tiny_recipe
+from .helpers import WORDS, record_sharegpt_splits, tiny_recipe
 
 RECORDS = 100  # the held-out split is the last 2: r98 and r99
 TRAINING_IDS = {f"r{i}" for i in range(RECORDS - 2)}
@@ -114,14 +114,7 @@ def test_the_mix_is_the_same_on_every_call_and_whatever_the_regeneration_file_or
 
 @pytest.mark.parametrize("originals", [None, 30])
 def test_the_mix_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, multiturn_sharegpt, monkeypatch, originals):
-    splits = []
-    real = sharegpt_module.load_sharegpt
-
-    def spy(split, path=None):
-        splits.append(split)
-        return real(split, path)
-
-    monkeypatch.setattr("selfspec.training.data.load_sharegpt", spy)
+    splits = record_sharegpt_splits(monkeypatch)
     config = mixed_recipe(tmp_path, tiny_checkpoint, originals)
     training, calibration = prepare_examples(load_target(config.model), config)
     assert splits and set(splits) == {"train"}

@@ -10,7 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-import selfspec.training.sharegpt as sharegpt_module
 from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
@@ -26,19 +25,12 @@ from selfspec.training.sharegpt import Conversation
 from selfspec.training.stages import prepare_examples
 from selfspec.training.trainer import collate, train
 
-from .helpers import hf_greedy, tiny_recipe, tiny_training_setup
+from .helpers import hf_greedy, record_sharegpt_splits, tiny_recipe, tiny_training_setup
 
 
 @pytest.mark.parametrize("originals", [0, None], ids=["regenerated", "regenerated+original"])
 def test_training_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch, originals):
-    splits = []
-    real = sharegpt_module.load_sharegpt
-
-    def spy(split, path=None):
-        splits.append(split)
-        return real(split, path)
-
-    monkeypatch.setattr("selfspec.training.data.load_sharegpt", spy)
+    splits = record_sharegpt_splits(monkeypatch)
     conversations = load_conversations("sharegpt")
     ids = {c.id for c in conversations}
     assert len(ids) == 98 and "r98" not in ids and "r99" not in ids and "torn" not in ids
