@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import selfspec.training.sharegpt as sharegpt_module
+import selfspec.training.stages as stages
 from selfspec.cli import main
 from selfspec.errors import SelfspecError
 from selfspec.models import load_target
@@ -192,3 +193,34 @@ def test_a_mix_with_nothing_left_to_train_on_is_an_error(tmp_path, tiny_checkpoi
     config = mixed_recipe(tmp_path, tiny_checkpoint, None, source=str(source))
     with pytest.raises(SelfspecError, match="none left to train on"):
         prepare_examples(load_target(config.model), config)
+
+
+def test_tokenized_examples_are_kept_in_the_work_dir_and_reused_only_for_the_same_inputs(
+    tmp_path, tiny_checkpoint, multiturn_sharegpt, monkeypatch
+):
+    config = mixed_recipe(tmp_path, tiny_checkpoint, None)
+    target = load_target(config.model)
+    first = prepare_examples(target, config)
+    assert sorted(path.name.split("-")[1] for path in (tmp_path / "work").glob("tokenized-*.pt")) == [
+        "original",
+        "regenerated",
+    ]
+    calls = []
+    real = stages.tokenize_conversation
+    monkeypatch.setattr(stages, "tokenize_conversation", lambda *args: calls.append(args[1].id) or real(*args))
+    again = prepare_examples(target, config)  # a resumed run: nothing tokenized again, the same examples
+    assert calls == []
+    for part, repeated in zip(first, again):
+        assert ids_and_kinds(part) == ids_and_kinds(repeated)
+        assert all(
+            torch.equal(a.input_ids, b.input_ids) and a.input_ids.dtype == b.input_ids.dtype
+            for a, b in zip(part, repeated)
+        )
+        assert all(torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(part, repeated))
+    shorter = replace(config, data=replace(config.data, max_length=config.data.max_length - 8))
+    cut = prepare_examples(target, shorter)  # other inputs: tokenized afresh, never the stored ones
+    assert calls and max(len(e.input_ids) for e in cut[0] + cut[1]) <= shorter.data.max_length
+    calls.clear()
+    fewer = replace(config, data=replace(config.data, original_conversations=30))
+    prepare_examples(target, fewer)
+    assert len(calls) == 30  # the regenerated part is unchanged and reused; the 30 originals are new

@@ -7,15 +7,19 @@ registry, so there is no import cycle between them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
+from ..files import atomic_write
 from ..heads.artifacts import save_head
 from ..models import Target
 from .config import DataConfig, RecipeConfig
@@ -47,15 +51,17 @@ def prepare_examples(
     sample = load_conversations(data.source, seed=data.seed)  # the whole split, in the seeded order
     conversations = sample[: data.conversations] if data.conversations else sample
     if not data.regenerate:
-        training, calibration = split_calibration(_tokenized(target, conversations, data.max_length, "original"), data)
+        training, calibration = split_calibration(
+            _tokenized(target, conversations, data.max_length, "original", config.work_path), data
+        )
     else:
         replies = _regenerated_conversations(target, conversations, config, regenerated)
-        examples = _tokenized(target, replies, data.max_length, "regenerated")
+        examples = _tokenized(target, replies, data.max_length, "regenerated", config.work_path)
         if data.original_conversations == 0:
             training, calibration = split_calibration(examples, data)
         else:
             chosen = sample[: data.original_conversations] if data.original_conversations else sample
-            originals = _tokenized(target, chosen, data.max_length, "original")
+            originals = _tokenized(target, chosen, data.max_length, "original", config.work_path)
             training, calibration = mix_examples(examples, originals, data.calibration_fraction, data.seed)
     if not training:  # a mix of a conversation or two: all of it went to calibration
         raise SelfspecError(f"only {len(calibration)} usable sequences, none left to train on: use more conversations")
@@ -82,9 +88,38 @@ def _regenerated_conversations(target: Target, conversations, config: RecipeConf
     return sorted(replied, key=lambda c: rank[c.id])
 
 
-def _tokenized(target: Target, conversations, max_length: int, kind: str) -> list[Example]:
-    examples = (tokenize_conversation(target, c, max_length, kind) for c in conversations)
-    return [example for example in examples if example is not None]
+TOKENIZED_FORMAT = 1  # bump when Example or the stored layout changes
+
+
+def _tokenized(target: Target, conversations, max_length: int, kind: str, work_dir: Path) -> list[Example]:
+    """The conversations rendered and tokenized (tokenize_conversation), kept in `work_dir` under a key of everything
+    the result depends on: the conversations' ids and text, the tokenizer and its chat template, `max_length`, `kind`.
+    Rendering every prefix of the whole split's multi-turn conversations takes over ten CPU minutes, which a resumed
+    or second run sharing the work directory does not pay again."""
+    digest = hashlib.sha256()
+    chat_template = getattr(target.tokenizer, "chat_template", None) or ""
+    header = [TOKENIZED_FORMAT, target.fingerprint.tokenizer_hash, chat_template, max_length, kind]
+    digest.update(json.dumps(header).encode())
+    for conversation in conversations:
+        digest.update(json.dumps([conversation.id, conversation.messages]).encode())
+    path = work_dir / f"tokenized-{kind}-{digest.hexdigest()[:16]}.pt"
+    if path.exists():
+        stored = torch.load(path)
+        ids = stored["input_ids"].long().split(stored["lengths"].tolist())
+        masks = stored["loss_mask"].split(stored["lengths"].tolist())
+        return [Example(name, i, m, kind) for name, i, m in zip(stored["ids"], ids, masks)]
+    examples = (
+        tokenize_conversation(target, c, max_length, kind) for c in tqdm(conversations, desc=f"tokenize ({kind})")
+    )
+    examples = [example for example in examples if example is not None]
+    stored = {
+        "ids": [example.id for example in examples],
+        "lengths": torch.tensor([len(example.input_ids) for example in examples], dtype=torch.long),
+        "input_ids": torch.cat([e.input_ids for e in examples] or [torch.zeros(0, dtype=torch.long)]).to(torch.int32),
+        "loss_mask": torch.cat([e.loss_mask for e in examples] or [torch.zeros(0, dtype=torch.bool)]),
+    }
+    atomic_write(path, lambda temp: torch.save(stored, temp))
+    return examples
 
 
 def split_calibration(examples: list[Example], data: DataConfig) -> tuple[list[Example], list[Example]]:
