@@ -277,3 +277,71 @@ def test_a_fresh_start_sets_the_earlier_runs_checkpoints_aside(tmp_path, tiny_ch
     assert sorted(p.name for p in (tmp_path / "c.previous").iterdir()) == ["step-10.pt", "step-12.pt"]
     summary = train(make(), len(sequences), sequences.__getitem__, short, tmp_path / "c", resume=True)
     assert summary.resumed_from == 6  # the new run's own, not the earlier run's step 12
+
+
+WSD = replace(CONFIG, schedule="wsd", warmup_steps=2, max_steps=12, decay_steps=4, checkpoint_every=100)
+
+
+def test_the_wsd_schedule_warms_up_holds_then_decays_linearly_whatever_the_run_length():
+    factors = [trainer_module._schedule(WSD, 12)(step) for step in range(12)]
+    assert factors == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25]
+    longer = trainer_module._schedule(replace(WSD, max_steps=40), 40)
+    assert [longer(step) for step in range(8)] == factors[:8]  # the stable part does not depend on max_steps
+    with pytest.raises(SelfspecError, match="train.schedule must be 'cosine' or 'wsd', got 'linear'"):
+        replace(WSD, schedule="linear")
+    with pytest.raises(SelfspecError, match="train.decay_steps is the wsd schedule's decay"):
+        replace(CONFIG, decay_steps=3)
+
+
+def test_a_branch_from_a_kept_step_equals_a_run_of_that_length_from_the_start(tmp_path, tiny_checkpoint):
+    """A wsd run extended to 20 steps keeps its step 8; a branch from it with a 4-step decay is the 12-step run."""
+    sequences, make = _eagle_maker(tiny_checkpoint)
+    short = make()
+    train(short, len(sequences), sequences.__getitem__, WSD, tmp_path / "short")
+    long = replace(WSD, max_steps=20, decay_steps=6, keep_steps=(8,), checkpoint_every=5)
+    train(make(), len(sequences), sequences.__getitem__, long, tmp_path / "long")
+    # Pruning keeps the newest two (15, 20) and the kept step.
+    assert sorted(p.name for p in (tmp_path / "long").iterdir()) == ["step-15.pt", "step-20.pt", "step-8.pt"]
+    branch = make()
+    summary = train(
+        branch,
+        len(sequences),
+        sequences.__getitem__,
+        WSD,
+        tmp_path / "branch",
+        branch_from=tmp_path / "long" / "step-8.pt",
+    )
+    assert summary.resumed_from == 8
+    _assert_same_weights(short, branch)
+    assert sorted(p.name for p in (tmp_path / "branch").iterdir()) == ["step-12.pt"]  # its own, beside the run's
+    assert sorted(p.name for p in (tmp_path / "long").iterdir()) == ["step-15.pt", "step-20.pt", "step-8.pt"]
+    # A branch that has checkpoints of its own resumes from them, not from the branch point again.
+    again = make()
+    resumed = train(
+        again,
+        len(sequences),
+        sequences.__getitem__,
+        replace(WSD, max_steps=14, decay_steps=6),
+        tmp_path / "branch",
+        resume=True,
+        branch_from=tmp_path / "long" / "step-8.pt",
+    )
+    assert resumed.resumed_from == 12
+    with pytest.raises(SelfspecError, match="no checkpoint '.*step-9.pt' to branch from"):
+        train(
+            make(),
+            len(sequences),
+            sequences.__getitem__,
+            WSD,
+            tmp_path / "x",
+            branch_from=tmp_path / "long" / "step-9.pt",
+        )
+    with pytest.raises(SelfspecError, match="made with train.schedule wsd, this run has cosine"):
+        train(
+            make(),
+            len(sequences),
+            sequences.__getitem__,
+            replace(WSD, schedule="cosine", decay_steps=0),
+            tmp_path / "y",
+            branch_from=tmp_path / "long" / "step-8.pt",
+        )

@@ -3,9 +3,11 @@
 A checkpoint holds the head's trainable weights, the optimizer and scheduler states, the RNG states (CPU and CUDA),
 the progress numbers (step, token positions trained, seconds, the loss window) and the settings that fix the data
 order and the optimisation. It is written atomically (a temporary file renamed over the name), so a run killed at
-any moment (SIGKILL included) leaves the previous checkpoints intact; the newest two are kept.
+any moment (SIGKILL included) leaves the previous checkpoints intact; the newest two are kept, and those of the
+steps in `keep_steps` (the points a scaling study branches from) are never pruned.
 
-When one is due: every `checkpoint_every` steps or after `checkpoint_minutes`, whichever comes first, and at the end.
+When one is due: every `checkpoint_every` steps or after `checkpoint_minutes`, whichever comes first, at each of
+`keep_steps`, and at the end.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from ..files import atomic_write
 from .config import TrainConfig
 
 # Settings a resumed run must share with the checkpoint: they fix the data order and the optimisation so far.
-# (max_steps may grow, to train on; checkpoint and log intervals may change freely.)
-RUN_SETTINGS = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "grad_clip")
+# (max_steps may grow, to train on, and so may a wsd run's decay_steps; checkpoint and log intervals, and the steps
+# kept, may change freely.)
+RUN_SETTINGS = ("seed", "batch_size", "lr", "weight_decay", "warmup_steps", "grad_clip", "schedule")
 
 
 @dataclass
@@ -50,12 +53,13 @@ class CheckpointClock:
 
     def __init__(self, config: TrainConfig, total_steps: int):
         self.every, self.total_steps = config.checkpoint_every, total_steps
+        self.kept = set(config.keep_steps)
         self.seconds = config.checkpoint_minutes * 60
         self.last = monotonic()
 
     def due(self, steps_done: int) -> bool:
         timed = self.seconds > 0 and monotonic() - self.last >= self.seconds
-        return timed or steps_done % self.every == 0 or steps_done == self.total_steps
+        return timed or steps_done % self.every == 0 or steps_done == self.total_steps or steps_done in self.kept
 
     def saved(self) -> None:
         self.last = monotonic()
@@ -87,8 +91,16 @@ def trainable_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    directory: Path, head, optimizer, scheduler, progress: RunProgress, settings: dict, keep: int = 2
+    directory: Path,
+    head,
+    optimizer,
+    scheduler,
+    progress: RunProgress,
+    settings: dict,
+    keep: int = 2,
+    kept: tuple[int, ...] = (),
 ) -> Path:
+    """Write step-<n>.pt; prune all but the newest `keep`, except the steps in `kept`."""
     state = {
         "step": progress.step,
         "head": trainable_state(head),
@@ -100,7 +112,8 @@ def save_checkpoint(
         "settings": settings,
     }
     path = atomic_write(directory / f"step-{progress.step}.pt", lambda temp: torch.save(state, temp))
-    for old in sorted(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
+    prunable = [p for p in directory.glob("step-*.pt") if int(p.stem.split("-")[1]) not in kept]
+    for old in sorted(prunable, key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
         old.unlink()
     return path
 

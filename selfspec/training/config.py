@@ -68,11 +68,25 @@ class TrainConfig:
     checkpoint_every: int = 250  # a checkpoint every this many steps ...
     checkpoint_minutes: float = 10.0  # ... or after this many minutes, whichever comes first (0: by steps only)
     log_every: int = 10
+    # "cosine": warm-up, then cosine decay to 5% at max_steps. "wsd" (warm-up, stable, decay): warm-up, the full
+    # rate until the last `decay_steps`, then a linear decay to 0; its stable part does not depend on max_steps, so
+    # a long run can be extended, and any checkpoint of it branched into a short decay of its own (a scaling point).
+    schedule: str = "cosine"
+    decay_steps: int = 0  # wsd: the decay's length in steps
+    keep_steps: tuple[int, ...] = ()  # checkpoints taken at these steps and never pruned (branch points)
 
     def __post_init__(self) -> None:  # checked when the recipe is read, not hours later when training starts
         for name in ("batch_size", "max_steps", "checkpoint_every", "log_every"):
             if getattr(self, name) < 1:
                 raise SelfspecError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise SelfspecError(f"train.schedule must be 'cosine' or 'wsd', got '{self.schedule}'")
+        if self.decay_steps < 0 or (self.schedule == "cosine" and self.decay_steps):
+            raise SelfspecError(
+                f"train.decay_steps is the wsd schedule's decay (>= 0; 0 with cosine), got {self.decay_steps}"
+            )
+        if any(step < 1 for step in self.keep_steps):
+            raise SelfspecError(f"train.keep_steps must be steps >= 1, got {list(self.keep_steps)}")
         if self.checkpoint_minutes < 0 or self.warmup_steps < 0:
             raise SelfspecError(
                 f"train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "

@@ -8,6 +8,7 @@ continues after the last one) or computed on the fly per batch (`storage: stream
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -75,12 +76,18 @@ def label_batch(target: Target, examples: list[Example], layers: tuple[int, ...]
 
 
 def _manifest_header(target: Target, layers: tuple[int, ...], top_k: int, examples: list[Example]) -> dict:
+    """What the shards were made from: a cache whose header differs is for other data and is made again."""
+    digest = hashlib.sha256()
+    for example in examples:  # the token ids and masks themselves (another max_length keeps ids, not tokens)
+        digest.update(example.input_ids.to(torch.int32).numpy().tobytes())
+        digest.update(example.loss_mask.to(torch.uint8).numpy().tobytes())
     return {
         "fingerprint": target.fingerprint.to_dict(),
         "layers": list(layers),
         "top_k": top_k,
         "examples": len(examples),
         "example_ids_head": [example.id for example in examples[:8]],
+        "examples_sha256": digest.hexdigest()[:16],
     }
 
 

@@ -188,6 +188,9 @@ def describe_mix(mix: dict) -> str:
     return f"data: {kinds} sequences ({of}); {sequences - calibration:,} training, {calibration:,} calibration"
 
 
+STREAM_SAMPLE = 256  # streamed labels: how many of the first sequences are labelled up front (draft vocabulary)
+
+
 def label_examples(
     target: Target, examples: list[Example], config: RecipeConfig, name: str, layers: tuple[int, ...]
 ) -> LabeledData:
@@ -208,7 +211,18 @@ def label_examples(
         sequences = load_label_cache(directory)
         return LabeledData(len(sequences), sequences.__getitem__, sequences, labelled=labelled)
     if labels.storage == "stream":
-        sample = [label_sequence(target, e, layers, labels.top_k) for e in examples[: min(len(examples), 256)]]
+        # The first sequences, labelled once and kept (a cache of its own), are what the draft vocabulary is counted
+        # on: a resumed run of 1,024-token sequences would otherwise relabel them at every start (minutes on a CPU).
+        suffix = "+".join("top" if layer == -1 else str(layer) for layer in layers) or "none"
+        directory = build_label_cache(
+            target,
+            examples[:STREAM_SAMPLE],
+            config.work_path / f"labels-{name}-sample-{suffix}",
+            layers,
+            labels.top_k,
+            labels.shard_examples,
+        )
+        sample = load_label_cache(directory)
         return LabeledData(
             len(examples),
             lambda i: label_sequence(target, examples[i], layers, labels.top_k),

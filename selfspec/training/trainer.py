@@ -117,9 +117,14 @@ def _batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]
 
 
 def _schedule(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at each step (see TrainConfig.schedule)."""
+    decay_from = total_steps - config.decay_steps  # wsd: the last decay_steps steps decay linearly to 0
+
     def factor(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
+        if config.schedule == "wsd":
+            return 1.0 if step < decay_from else max(0.0, (total_steps - step) / max(1, config.decay_steps))
         progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -135,9 +140,14 @@ def train(
     resume: bool = False,
     max_steps: int | None = None,
     get_batch: Callable[[list[int]], list[LabeledSequence]] | None = None,
+    branch_from: Path | None = None,
 ) -> TrainSummary:
     """Train `head` in place for `max_steps` (default config.max_steps) optimizer steps. `get_batch`, when given,
-    fetches a batch's sequences at once (streamed labels: one forward of the target for the whole batch)."""
+    fetches a batch's sequences at once (streamed labels: one forward of the target for the whole batch).
+
+    `branch_from`: a checkpoint of another run (same data and settings) to continue from, as a branch of it that
+    writes its own checkpoints to `checkpoint_dir` (a wsd run's decay from one of its kept steps). With `resume`, a
+    branch that already has checkpoints of its own continues from them."""
     from accelerate import Accelerator
 
     if sequence_count == 0:
@@ -154,7 +164,9 @@ def train(
     settings = run_settings(config, sequence_count)
     if not resume and accelerator.is_main_process and (previous := set_aside(checkpoint_dir)):
         tqdm.write(f"starting fresh (no --resume): the earlier run's checkpoints moved to {previous}")
-    progress = _start_or_resume(checkpoint_dir, resume, accelerator.unwrap_model(head), optimizer, scheduler, settings)
+    progress = _start_or_resume(
+        checkpoint_dir, resume, accelerator.unwrap_model(head), optimizer, scheduler, settings, branch_from
+    )
     fetch = get_batch or (lambda indices: [get_sequence(index) for index in indices])
     first_metric = accelerator.unwrap_model(head).first_draft_metric
     resumed_from = progress.step
@@ -190,7 +202,13 @@ def train(
             bar.update(1)
             if accelerator.is_main_process and clock.due(progress.step):
                 save_checkpoint(
-                    checkpoint_dir, accelerator.unwrap_model(head), optimizer, scheduler, progress, settings
+                    checkpoint_dir,
+                    accelerator.unwrap_model(head),
+                    optimizer,
+                    scheduler,
+                    progress,
+                    settings,
+                    kept=config.keep_steps,
                 )
                 clock.saved()
     head.eval()
@@ -213,9 +231,15 @@ def _summary(
     )
 
 
-def _start_or_resume(directory: Path, resume: bool, head, optimizer, scheduler, settings: dict) -> RunProgress:
+def _start_or_resume(
+    directory: Path, resume: bool, head, optimizer, scheduler, settings: dict, branch_from: Path | None = None
+) -> RunProgress:
     checkpoint = latest_checkpoint(directory) if resume else None
-    if resume and checkpoint is None:
+    if checkpoint is None and branch_from is not None:
+        if not branch_from.is_file():
+            raise SelfspecError(f"no checkpoint '{branch_from}' to branch from: train the run up to that step first")
+        checkpoint = branch_from
+    elif resume and checkpoint is None:
         tqdm.write(f"--resume: no checkpoint in {directory}; starting fresh")
     if checkpoint is None:
         return RunProgress()

@@ -1,0 +1,138 @@
+"""A short measured sweep of an EAGLE-family recipe's learning rate and warm-up: one copy of the head per setting
+(an "arm"), all from the same initial weights, trained in lockstep on the same batches (streamed labels: the target
+labels each batch once for every arm), each with its own schedule (warm-up, then the recipe's wsd shape: the full
+rate, then a linear decay over the last fifth, so each arm ends as a finished short run), then measured on the
+recipe's calibration sequences, which no arm trained on. What a long recipe's `train.lr` and `train.warmup_steps`
+are chosen by (scripts/train_sweep.py writes the table)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import SelfspecError
+from ..heads.eagle import Eagle3Head, EagleHead, resolve_eagle3_layers
+from ..models import Target
+from .config import RecipeConfig
+from .eagle import EagleTraining, new_eagle_head
+from .labels import label_sequence
+from .stages import recipe_data
+from .trainer import _batch_order, _schedule, collate
+
+
+@dataclass(frozen=True)
+class Arm:
+    lr: float
+    warmup_steps: int
+
+    @property
+    def name(self) -> str:
+        return f"lr {self.lr:g}, warm-up {self.warmup_steps}"
+
+
+def parse_arms(text: str) -> list[Arm]:
+    """'3e-4:30,1e-3:30' -> arms (learning rate : warm-up steps)."""
+    arms = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        lr, _, warmup = item.partition(":")
+        try:
+            arm = Arm(float(lr), int(warmup))
+        except ValueError:
+            raise SelfspecError(f"sweep arm '{item}' is not LR:WARMUP (e.g. 1e-3:30)") from None
+        if arm.lr <= 0 or arm.warmup_steps < 0:
+            raise SelfspecError(f"sweep arm '{item}': the learning rate must be > 0 and the warm-up >= 0")
+        arms.append(arm)
+    if not arms:
+        raise SelfspecError("no sweep arms given: e.g. --arms 3e-4:30,1e-3:30,3e-3:30")
+    return arms
+
+
+def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, calibration_sequences: int = 64) -> dict:
+    """Train one head per arm for `steps` steps in lockstep -> {"rows": per arm: its settings, its last training
+    losses, its calibration loss and top-1 agreements at draft steps 1..U, its seconds; "labels_s", "positions"}."""
+    if config.drafter not in ("eagle", "eagle3"):
+        raise SelfspecError(f"the sweep trains EAGLE-family heads (eagle, eagle3), not '{config.drafter}'")
+    if steps < 5:
+        raise SelfspecError(f"a sweep needs at least 5 steps, got {steps}")
+    eagle = config.eagle3 if config.drafter == "eagle3" else config.eagle
+    head_cls = Eagle3Head if config.drafter == "eagle3" else EagleHead
+    layers = resolve_eagle3_layers(eagle, target.config.num_hidden_layers) if config.drafter == "eagle3" else (-1,)
+    timings: dict = {}
+    data = recipe_data(target, config, layers, timings)
+    torch.manual_seed(config.train.seed)
+    eagle, first = new_eagle_head(target, eagle, head_cls, data.train.sample)
+    runs = []
+    for arm in arms:
+        head = copy.deepcopy(first)  # every arm starts from the same weights
+        module = EagleTraining(head, eagle).train()
+        optimizer = torch.optim.AdamW(
+            [p for p in head.parameters() if p.requires_grad], lr=arm.lr, weight_decay=config.train.weight_decay
+        )
+        schedule = replace(
+            config.train, lr=arm.lr, warmup_steps=arm.warmup_steps, schedule="wsd", decay_steps=max(1, steps // 5)
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(schedule, steps))
+        runs.append({"arm": arm, "module": module, "optimizer": optimizer, "scheduler": scheduler, "seconds": 0.0})
+        runs[-1]["losses"] = []
+    fetch = data.train.get_batch or (lambda indices: [data.train.get(i) for i in indices])
+    labels_s, positions = 0.0, 0
+    for step in tqdm(range(steps), desc=f"sweep ({len(arms)} arms)", unit="step"):
+        began = time.perf_counter()
+        sequences = fetch(_batch_order(data.train.count, config.train.batch_size, config.train.seed, step))
+        batch = collate(sequences, target.device)
+        labels_s += time.perf_counter() - began
+        positions += sum(len(sequence.input_ids) for sequence in sequences)
+        for run in runs:
+            began = time.perf_counter()
+            torch.manual_seed(config.train.seed * 1_000_003 + step)  # the same feature noise for every arm
+            loss, _ = run["module"](batch)
+            run["optimizer"].zero_grad(set_to_none=True)
+            loss.backward()
+            if config.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(run["module"].parameters(), config.train.grad_clip)
+            run["optimizer"].step()
+            run["scheduler"].step()
+            run["losses"].append(float(loss.detach()))
+            run["seconds"] += time.perf_counter() - began
+    calibration = _calibration_batches(target, data, config, calibration_sequences)
+    rows = []
+    for run in runs:
+        measured = _measure(run["module"], calibration)
+        rows.append(
+            {
+                "lr": run["arm"].lr,
+                "warmup_steps": run["arm"].warmup_steps,
+                "train_loss_last10": round(sum(run["losses"][-10:]) / len(run["losses"][-10:]), 4),
+                **measured,
+                "train_s": round(run["seconds"], 1),
+            }
+        )
+    return {"steps": steps, "positions": positions, "labels_s": round(labels_s, 1), "rows": rows}
+
+
+def _calibration_batches(target: Target, data, config: RecipeConfig, count: int) -> list:
+    """The first `count` calibration sequences, labelled, in batches of the recipe's batch size."""
+    examples = data.calibration_examples[:count]
+    if not examples:
+        raise SelfspecError("no calibration sequences to measure the sweep on: raise data.calibration_fraction")
+    layers = tuple(data.train.sample[0].hidden)  # the layers the head reads, as the training labels hold them
+    labelled = [label_sequence(target, example, layers, config.labels.top_k) for example in examples]
+    size = config.train.batch_size
+    return [collate(labelled[i : i + size], target.device) for i in range(0, len(labelled), size)]
+
+
+def _measure(module: EagleTraining, batches: list) -> dict:
+    """Calibration loss and top-1 agreements (draft steps 1..U, teacher-forced at step 1), weighted by batch."""
+    module.eval()
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in batches:
+            loss, metrics = module(batch)
+            for key, value in {"calibration_loss": float(loss), **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value
+    module.train()
+    return {key: round(value / len(batches), 4) for key, value in totals.items()}
