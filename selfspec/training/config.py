@@ -69,8 +69,9 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0  # ... or after this many minutes, whichever comes first (0: by steps only)
     log_every: int = 10
     # "cosine": warm-up, then cosine decay to 5% at max_steps. "wsd" (warm-up, stable, decay): warm-up, the full
-    # rate until the last `decay_steps`, then a linear decay to 0; its stable part does not depend on max_steps, so
-    # a long run can be extended, and any checkpoint of it branched into a short decay of its own (a scaling point).
+    # rate until the last `decay_steps` d, then a linear decay (d/(d+1), ..., 1/(d+1) of it); its stable part does
+    # not depend on max_steps, so a long run can be extended, and any checkpoint of it branched into a short decay of
+    # its own (a scaling point).
     schedule: str = "cosine"
     decay_steps: int = 0  # wsd: the decay's length in steps
     keep_steps: tuple[int, ...] = ()  # checkpoints taken at these steps and never pruned (branch points)

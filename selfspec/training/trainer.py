@@ -118,13 +118,13 @@ def _batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]
 
 def _schedule(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
     """The learning rate's factor at each step (see TrainConfig.schedule)."""
-    decay_from = total_steps - config.decay_steps  # wsd: the last decay_steps steps decay linearly to 0
+    decay_from = total_steps - config.decay_steps  # wsd: the last decay_steps steps decay linearly towards 0
 
     def factor(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
         if config.schedule == "wsd":
-            return 1.0 if step < decay_from else max(0.0, (total_steps - step) / max(1, config.decay_steps))
+            return 1.0 if step < decay_from else max(0.0, (total_steps - step) / (config.decay_steps + 1))
         progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -244,6 +244,11 @@ def _start_or_resume(
     if checkpoint is None:
         return RunProgress()
     progress = load_checkpoint(checkpoint, head, optimizer, scheduler, settings)
+    # The next step's rate is this run's schedule's, not the one saved: a branch decays from the step it starts at,
+    # and a run resumed with more max_steps follows its longer schedule (with the same schedule they are equal).
+    lambda_lr = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps it
+    for group, base, factor in zip(optimizer.param_groups, lambda_lr.base_lrs, lambda_lr.lr_lambdas):
+        group["lr"] = base * factor(lambda_lr.last_epoch)
     tqdm.write(f"resumed from {checkpoint} (step {progress.step}, {progress.tokens:,} token positions trained)")
     return progress
 
