@@ -1,10 +1,11 @@
 """A short measured sweep of an EAGLE-family recipe's learning rate and warm-up (selfspec/training/sweep.py).
 
     python scripts/train_sweep.py --config configs/eagle3-smollm2-long.yaml \
-        --arms 3e-4:20,1e-3:20,3e-3:20,1e-3:5 --steps 60 --out docs/results/eagle3-sweep
+        --arms 3e-4:5,1e-3:5,3e-3:5,1e-2:5,1e-3:15 --steps 32 --out docs/results/eagle3-sweep
 
-Every arm trains a copy of the same initial head on the same batches of the recipe's data (its sequence length,
-batch size and labels), for --steps steps, ending in a decay; the table compares them on the recipe's calibration
+Every arm trains a copy of the same initial head on the same batches of the recipe's labelled sample (its sequence
+length, batch size and labels; with streamed labels the first 256 training sequences), for --steps steps, one pass,
+ending in a decay; the table compares them on the recipe's calibration
 sequences (top-1 agreement of the first draft, and of the 2nd and 3rd unrolled drafts for EAGLE-3). Writes
 sweep.json and sweep.md under --out.
 """
@@ -29,8 +30,8 @@ from selfspec.training.throughput import machine
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/eagle3-smollm2-long.yaml")
-    parser.add_argument("--arms", default="3e-4:20,1e-3:20,3e-3:20,1e-3:5", help="LR:WARMUP,... one head each")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--arms", default="3e-4:5,1e-3:5,3e-3:5,1e-2:5,1e-3:15", help="LR:WARMUP,... one head each")
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--calibration", type=int, default=64, help="calibration sequences measured")
     parser.add_argument("--out", default="runs/sweep")
     args = parser.parse_args(argv)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = [key for key in result["rows"][0] if key.startswith("top1")]
     lines = [
         f"{args.steps} steps of {config.train.batch_size} x <= {config.data.max_length} tokens "
-        f"({result['positions']:,} positions, labelled once in {result['labels_s']} s), {args.calibration} "
+        f"({result['positions']:,} positions of the {result['sample_sequences']} labelled sample), {args.calibration} "
         f"calibration sequences; {result['machine']}; commit {commit}",
         "",
         "| lr | warm-up | train loss (last 10) | calibration loss | " + " | ".join(metrics) + " | train s |",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import selfspec.training.labels as labels_module
+import selfspec.training.sweep as sweep_module
 from selfspec.errors import SelfspecError
 from selfspec.heads.eagle import Eagle3Config
 from selfspec.models import load_target
@@ -81,22 +82,31 @@ def test_sweep_arms_share_batches_and_start_weights_and_are_measured_on_calibrat
 ):
     config = _stream_recipe(tmp_path, tiny_checkpoint)
     target = load_target(config.model)
+    sample = recipe_data(target, config, (0, 1, 2), {}).train.sample  # labelled (and kept) here
     fetched = []
-    real_batch = labels_module.label_batch
+    real_collate = sweep_module.collate
 
-    def spy(target_, examples, *args):
-        fetched.append([e.id for e in examples])
-        return real_batch(target_, examples, *args)
+    def spy(sequences, device):
+        fetched.append([tuple(s.input_ids.tolist()) for s in sequences])
+        return real_collate(sequences, device)
 
-    monkeypatch.setattr("selfspec.training.stages.label_batch", spy)
+    monkeypatch.setattr(sweep_module, "collate", spy)
+    calls = _count_labelling(monkeypatch)
+    monkeypatch.setattr(sweep_module, "label_sequence", labels_module.label_sequence)  # the counted one
+    monkeypatch.setattr("selfspec.training.stages.label_batch", None)  # streamed labelling would fail here
     result = sweep(target, config, [Arm(0.01, 1), Arm(0.01, 1), Arm(0.002, 3)], steps=6, calibration_sequences=4)
-    assert len(fetched) == 6  # the target labels each step's batch once, for all arms
+    assert len(calls) == 4  # only the calibration sequences measured: training reads the kept sample
+    trained = [row for batch in fetched[:6] for row in batch]
+    assert len(trained) == len(set(trained)) == 24  # one pass over the sample: no sequence twice
+    assert set(trained) <= {tuple(s.input_ids.tolist()) for s in sample}
     same, twin, other = result["rows"]
     assert same == twin  # same settings: same start, same batches, same noise -> the same numbers
     assert other["calibration_loss"] != same["calibration_loss"]
     assert {"lr", "warmup_steps", "calibration_loss", "top1", "top1@2", "top1@3", "train_s"} <= set(same)
-    calibration_ids = {e.id for e in recipe_data(target, config, (0, 1, 2), {}).calibration_examples}
-    assert not calibration_ids & {i for batch in fetched for i in batch}  # no arm trains on what measures it
+    calibration = {tuple(e.input_ids.tolist()) for e in recipe_data(target, config, (0, 1, 2), {}).calibration_examples}
+    assert not calibration & set(trained) and fetched[6][0] in calibration  # measured on calibration only
+    with pytest.raises(SelfspecError, match="need 36 sequences and the labelled sample holds 32: at most 8 steps"):
+        sweep(target, config, [Arm(0.01, 1)], steps=9)
     with pytest.raises(SelfspecError, match="the sweep trains EAGLE-family heads"):
         sweep(target, replace(config, drafter="dflash"), [Arm(0.01, 1)], steps=6)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +194,18 @@ def test_recipe_config_errors(tmp_path):
     good.write_text("drafter: medusa\nmedusa:\n  lora: {rank: 4}\n")
     assert load_recipe(good, {"train.max_steps": 3}).train.max_steps == 3
     assert load_recipe(good).medusa.lora.rank == 4
+
+
+def test_every_shipped_recipe_loads_and_the_long_one_keeps_its_scaling_points():
+    root = Path(__file__).resolve().parents[1] / "configs"
+    recipes = sorted(root.glob("*.yaml")) + sorted((root / "gpu").glob("*.yaml"))
+    assert len(recipes) >= 6
+    for path in recipes:
+        load_recipe(path)
+    long = load_recipe(root / "eagle3-smollm2-long.yaml").train
+    assert long.schedule == "wsd" and long.warmup_steps < min(long.keep_steps)  # every point past the warm-up
+    assert max(long.keep_steps) < long.max_steps - long.decay_steps  # kept steps lie in the stable part
+    assert sorted(long.keep_steps)[3] >= 16 * min(long.keep_steps)  # four points spanning 16x of data
 
 
 def test_train_cli_errors(tmp_path, capsys):

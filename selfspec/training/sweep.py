@@ -1,7 +1,8 @@
 """A short measured sweep of an EAGLE-family recipe's learning rate and warm-up: one copy of the head per setting
-(an "arm"), all from the same initial weights, trained in lockstep on the same batches (streamed labels: the target
-labels each batch once for every arm), each with its own schedule (warm-up, then the recipe's wsd shape: the full
-rate, then a linear decay over the last fifth, so each arm ends as a finished short run), then measured on the
+(an "arm"), all from the same initial weights, trained in lockstep on the same batches of the recipe's labelled
+sample (all its sequences with cached labels; with streamed labels the first 256, which are labelled once and kept,
+so the sweep costs no labelling), one pass at most, each arm with its own schedule (warm-up, then the wsd shape: the
+full rate, then a linear decay over the last fifth, so each arm ends as a finished short run), then measured on the
 recipe's calibration sequences, which no arm trained on. What a long recipe's `train.lr` and `train.warmup_steps`
 are chosen by (scripts/train_sweep.py writes the table)."""
 
@@ -53,7 +54,7 @@ def parse_arms(text: str) -> list[Arm]:
 
 def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, calibration_sequences: int = 64) -> dict:
     """Train one head per arm for `steps` steps in lockstep -> {"rows": per arm: its settings, its last training
-    losses, its calibration loss and top-1 agreements at draft steps 1..U, its seconds; "labels_s", "positions"}."""
+    losses, its calibration loss and top-1 agreements at draft steps 1..U, its seconds; "positions" trained}."""
     if config.drafter not in ("eagle", "eagle3"):
         raise SelfspecError(f"the sweep trains EAGLE-family heads (eagle, eagle3), not '{config.drafter}'")
     if steps < 5:
@@ -63,6 +64,12 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
     layers = resolve_eagle3_layers(eagle, target.config.num_hidden_layers) if config.drafter == "eagle3" else (-1,)
     timings: dict = {}
     data = recipe_data(target, config, layers, timings)
+    sample, batch_size = data.train.sample, config.train.batch_size
+    if steps * batch_size > len(sample):
+        raise SelfspecError(
+            f"{steps} steps of {batch_size} need {steps * batch_size} sequences and the labelled sample holds "
+            f"{len(sample)}: at most {len(sample) // batch_size} steps (the sweep makes one pass, no repeats)"
+        )
     torch.manual_seed(config.train.seed)
     eagle, first = new_eagle_head(target, eagle, head_cls, data.train.sample)
     runs = []
@@ -78,13 +85,10 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(schedule, steps))
         runs.append({"arm": arm, "module": module, "optimizer": optimizer, "scheduler": scheduler, "seconds": 0.0})
         runs[-1]["losses"] = []
-    fetch = data.train.get_batch or (lambda indices: [data.train.get(i) for i in indices])
-    labels_s, positions = 0.0, 0
+    positions = 0
     for step in tqdm(range(steps), desc=f"sweep ({len(arms)} arms)", unit="step"):
-        began = time.perf_counter()
-        sequences = fetch(_batch_order(data.train.count, config.train.batch_size, config.train.seed, step))
+        sequences = [sample[i] for i in _batch_order(len(sample), batch_size, config.train.seed, step)]
         batch = collate(sequences, target.device)
-        labels_s += time.perf_counter() - began
         positions += sum(len(sequence.input_ids) for sequence in sequences)
         for run in runs:
             began = time.perf_counter()
@@ -111,7 +115,7 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
                 "train_s": round(run["seconds"], 1),
             }
         )
-    return {"steps": steps, "positions": positions, "labels_s": round(labels_s, 1), "rows": rows}
+    return {"steps": steps, "positions": positions, "sample_sequences": len(sample), "rows": rows}
 
 
 def _calibration_batches(target: Target, data, config: RecipeConfig, count: int) -> list:
