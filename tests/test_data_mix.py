@@ -224,3 +224,45 @@ def test_tokenized_examples_are_kept_in_the_work_dir_and_reused_only_for_the_sam
     fewer = replace(config, data=replace(config.data, original_conversations=30))
     prepare_examples(target, fewer)
     assert len(calls) == 30  # the regenerated part is unchanged and reused; the 30 originals are new
+
+
+def test_tokenizing_stops_at_the_cut_and_a_worker_pool_gives_the_same_examples(tiny_checkpoint, monkeypatch):
+    from selfspec.training.data import tokenize_conversation
+    from selfspec.training.sharegpt import Conversation
+    from selfspec.training.stages import tokenize_all
+
+    target = load_target(str(tiny_checkpoint))
+    rng = random.Random(3)
+    conversations = []
+    for index in range(40):
+        turns = []
+        for turn in range(rng.randint(1, 6)):
+            turns.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))})
+            turns.append(
+                {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))}
+            )
+        conversations.append(Conversation(f"c{index}", tuple(turns)))
+    for max_length in (8, 20, 45):
+        for conversation in conversations:  # a cut example is the whole one, cut: later turns change nothing
+            whole = tokenize_conversation(target, conversation, 10_000)
+            cut = tokenize_conversation(target, conversation, max_length)
+            if cut is None:  # nothing learnable inside the cut
+                assert not whole.loss_mask[1:max_length].any()
+                continue
+            assert cut.input_ids.tolist() == whole.input_ids[:max_length].tolist()
+            assert cut.loss_mask.tolist() == whole.loss_mask[:max_length].tolist()
+    monkeypatch.setattr(stages, "POOL_MIN_CONVERSATIONS", 10)
+    serial = tokenize_all(target, conversations, 20, "original", workers=1)
+    pools = []
+
+    def recorded(*args, **kwargs):
+        pools.append(args)
+        return real_pool(*args, **kwargs)
+
+    real_pool = stages.ProcessPoolExecutor
+    monkeypatch.setattr(stages, "ProcessPoolExecutor", recorded)
+    pooled = tokenize_all(target, conversations, 20, "original", workers=3)
+    assert pools == [(3,)]  # the pool path ran
+    assert [e and (e.id, e.input_ids.tolist(), e.loss_mask.tolist(), e.kind) for e in pooled] == [
+        e and (e.id, e.input_ids.tolist(), e.loss_mask.tolist(), e.kind) for e in serial
+    ]

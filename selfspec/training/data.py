@@ -103,6 +103,8 @@ def tokenize_conversation(
             if message["role"] != "assistant":
                 continue
             start = len(target.render_chat(messages[:index], True)) if index else 0
+            if start >= max_length:  # this turn and all later ones lie past the cut: rendering them changes nothing
+                break
             end = min(len(target.render_chat(messages[: index + 1], False)), len(ids))
             mask[start:end] = [True] * max(0, end - start)
     ids, mask = ids[:max_length], mask[:max_length]

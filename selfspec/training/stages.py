@@ -10,9 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing as mp
+import os
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -108,10 +112,7 @@ def _tokenized(target: Target, conversations, max_length: int, kind: str, work_d
         ids = stored["input_ids"].long().split(stored["lengths"].tolist())
         masks = stored["loss_mask"].split(stored["lengths"].tolist())
         return [Example(name, i, m, kind) for name, i, m in zip(stored["ids"], ids, masks)]
-    examples = (
-        tokenize_conversation(target, c, max_length, kind) for c in tqdm(conversations, desc=f"tokenize ({kind})")
-    )
-    examples = [example for example in examples if example is not None]
+    examples = [example for example in tokenize_all(target, conversations, max_length, kind) if example is not None]
     stored = {
         "ids": [example.id for example in examples],
         "lengths": torch.tensor([len(example.input_ids) for example in examples], dtype=torch.long),
@@ -120,6 +121,44 @@ def _tokenized(target: Target, conversations, max_length: int, kind: str, work_d
     }
     atomic_write(path, lambda temp: torch.save(stored, temp))
     return examples
+
+
+_POOL_TARGET: Target | None = None  # what forked tokenizing workers render with (inherited, never pickled)
+POOL_MIN_CONVERSATIONS = 256  # fewer than this are tokenized in the process itself
+
+
+def tokenize_all(target: Target, conversations, max_length: int, kind: str, workers: int | None = None) -> list:
+    """tokenize_conversation over `conversations`, in order, with a progress bar: in forked worker processes (one per
+    CPU, up to 16) when there are many conversations and more than two CPUs (a GPU host tokenizing the whole split),
+    in this process otherwise. Either way the results are the same."""
+    global _POOL_TARGET
+    workers = workers if workers is not None else min(os.cpu_count() or 1, 16)
+    bar = tqdm(total=len(conversations), desc=f"tokenize ({kind})", unit="conv")
+    with bar:
+        if workers <= 2 or len(conversations) < POOL_MIN_CONVERSATIONS or "fork" not in mp.get_all_start_methods():
+            return [_tokenize_one(target, c, max_length, kind, bar) for c in conversations]
+        _POOL_TARGET = target
+        try:
+            with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+                work = partial(_tokenize_in_worker, max_length=max_length, kind=kind)
+                examples = []
+                for conversation, row in zip(conversations, pool.map(work, conversations, chunksize=64)):
+                    # Plain lists cross the process boundary (tensors would each take a shared-memory handle).
+                    examples.append(row and Example(conversation.id, torch.tensor(row[0]), torch.tensor(row[1]), kind))
+                    bar.update(1)
+                return examples
+        finally:
+            _POOL_TARGET = None
+
+
+def _tokenize_one(target: Target, conversation, max_length: int, kind: str, bar) -> Example | None:
+    bar.update(1)
+    return tokenize_conversation(target, conversation, max_length, kind)
+
+
+def _tokenize_in_worker(conversation, max_length: int, kind: str) -> tuple[list[int], list[bool]] | None:
+    example = tokenize_conversation(_POOL_TARGET, conversation, max_length, kind)
+    return example and (example.input_ids.tolist(), example.loss_mask.tolist())
 
 
 def split_calibration(examples: list[Example], data: DataConfig) -> tuple[list[Example], list[Example]]:
