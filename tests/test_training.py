@@ -205,7 +205,7 @@ def test_every_shipped_recipe_loads_and_the_long_one_keeps_its_scaling_points():
     long = load_recipe(root / "eagle3-smollm2-long.yaml").train
     assert long.schedule == "wsd" and long.warmup_steps < min(long.keep_steps)  # every point past the warm-up
     assert max(long.keep_steps) < long.max_steps - long.decay_steps  # kept steps lie in the stable part
-    assert sorted(long.keep_steps)[3] >= 16 * min(long.keep_steps)  # four points spanning 16x of data
+    assert len(long.keep_steps) >= 4 and max(long.keep_steps) >= 16 * min(long.keep_steps)  # 4+ points over 16x
 
 
 def test_train_cli_errors(tmp_path, capsys):
