@@ -283,9 +283,9 @@ WSD = replace(CONFIG, schedule="wsd", warmup_steps=2, max_steps=12, decay_steps=
 
 
 def test_the_wsd_schedule_warms_up_holds_then_decays_linearly_whatever_the_run_length():
-    factors = [trainer_module._schedule(WSD, 12)(step) for step in range(12)]
+    factors = [trainer_module.lr_factors(WSD, 12)(step) for step in range(12)]
     assert factors == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2]
-    longer = trainer_module._schedule(replace(WSD, max_steps=40), 40)
+    longer = trainer_module.lr_factors(replace(WSD, max_steps=40), 40)
     assert [longer(step) for step in range(8)] == factors[:8]  # the stable part does not depend on max_steps
     with pytest.raises(SelfspecError, match="train.schedule must be 'cosine' or 'wsd', got 'linear'"):
         replace(WSD, schedule="linear")

@@ -22,7 +22,7 @@ from .config import RecipeConfig
 from .eagle import EagleTraining, new_eagle_head
 from .labels import label_sequence
 from .stages import recipe_data
-from .trainer import _batch_order, _schedule, collate
+from .trainer import batch_order, collate, lr_factors
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,12 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         schedule = replace(
             config.train, lr=arm.lr, warmup_steps=arm.warmup_steps, schedule="wsd", decay_steps=max(1, steps // 5)
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(schedule, steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(schedule, steps))
         runs.append({"arm": arm, "module": module, "optimizer": optimizer, "scheduler": scheduler, "seconds": 0.0})
         runs[-1]["losses"] = []
     positions = 0
     for step in tqdm(range(steps), desc=f"sweep ({len(arms)} arms)", unit="step"):
-        sequences = [sample[i] for i in _batch_order(len(sample), batch_size, config.train.seed, step)]
+        sequences = [sample[i] for i in batch_order(len(sample), batch_size, config.train.seed, step)]
         batch = collate(sequences, target.device)
         positions += sum(len(sequence.input_ids) for sequence in sequences)
         for run in runs:

@@ -107,7 +107,7 @@ class TrainSummary:
     precision: str  # "float32" or "bf16 autocast" (the head's weights stay float32)
 
 
-def _batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]:
+def batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]:
     """The sequence indices of batch `step`: epochs are seeded permutations, so a resumed run sees the same data."""
     per_epoch = max(1, count // batch_size)
     epoch, position = divmod(step, per_epoch)
@@ -116,7 +116,7 @@ def _batch_order(count: int, batch_size: int, seed: int, step: int) -> list[int]
     return order[position * batch_size : (position + 1) * batch_size]
 
 
-def _schedule(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
+def lr_factors(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
     """The learning rate's factor at each step (see TrainConfig.schedule)."""
     decay_from = total_steps - config.decay_steps  # wsd: the last decay_steps steps decay linearly towards 0
 
@@ -159,7 +159,7 @@ def train(
     accelerator = Accelerator(mixed_precision="bf16" if on_gpu else "no", cpu=not on_gpu)
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(config, total_steps))
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
     settings = run_settings(config, sequence_count)
     if not resume and accelerator.is_main_process and (previous := set_aside(checkpoint_dir)):
@@ -177,7 +177,7 @@ def train(
     with bar:
         for step in range(progress.step, total_steps):
             began = time.perf_counter()
-            indices = _batch_order(sequence_count, config.batch_size, config.seed, step)
+            indices = batch_order(sequence_count, config.batch_size, config.seed, step)
             # Several processes (GPUs) split each batch; one process takes all of it.
             indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
             sequences = fetch(indices)
