@@ -121,6 +121,14 @@ def _train_eagle_family(
     return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)
 
 
+def eagle_family(target: Target, config: RecipeConfig) -> tuple[EagleConfig, type, tuple[int, ...]]:
+    """An EAGLE-family recipe's (head config, head class, target layers its labels hold), for studies that build
+    heads of the recipe themselves (sweep, scaling)."""
+    if config.drafter == "eagle3":
+        return config.eagle3, Eagle3Head, resolve_eagle3_layers(config.eagle3, target.config.num_hidden_layers)
+    return config.eagle, EagleHead, (-1,)
+
+
 def new_eagle_head(
     target: Target, eagle: EagleConfig, head_cls, sequences: list[LabeledSequence]
 ) -> tuple[EagleConfig, EagleFamilyHead]:

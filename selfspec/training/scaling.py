@@ -22,11 +22,10 @@ from tqdm.auto import tqdm
 from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..heads.artifacts import save_head
-from ..heads.eagle import Eagle3Head, EagleHead, resolve_eagle3_layers
 from ..models import Target
 from .config import RecipeConfig
 from .draft_accuracy import eagle_chain_accuracy, greedy_continuations
-from .eagle import EagleTraining, new_eagle_head
+from .eagle import EagleTraining, eagle_family, new_eagle_head
 from .pipeline import evaluate_heldout
 from .stages import checkpoint_dir, recipe_data
 from .trainer import train
@@ -47,9 +46,7 @@ def scaling_points(
         )
     if not 0 < decay <= 1:
         raise SelfspecError(f"the branches' decay is a fraction of each point's steps in (0, 1], got {decay}")
-    eagle = config.eagle3 if config.drafter == "eagle3" else config.eagle
-    head_cls = Eagle3Head if config.drafter == "eagle3" else EagleHead
-    layers = resolve_eagle3_layers(eagle, target.config.num_hidden_layers) if config.drafter == "eagle3" else (-1,)
+    eagle, head_cls, layers = eagle_family(target, config)
     work = config.work_path / "scaling"
     work.mkdir(parents=True, exist_ok=True)
     run_dir = checkpoint_dir(config)

@@ -16,10 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
-from ..heads.eagle import Eagle3Head, EagleHead, resolve_eagle3_layers
 from ..models import Target
 from .config import RecipeConfig
-from .eagle import EagleTraining, new_eagle_head
+from .eagle import EagleTraining, eagle_family, new_eagle_head
 from .labels import label_sequence
 from .stages import recipe_data
 from .trainer import batch_order, collate, lr_factors
@@ -59,9 +58,7 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         raise SelfspecError(f"the sweep trains EAGLE-family heads (eagle, eagle3), not '{config.drafter}'")
     if steps < 5:
         raise SelfspecError(f"a sweep needs at least 5 steps, got {steps}")
-    eagle = config.eagle3 if config.drafter == "eagle3" else config.eagle
-    head_cls = Eagle3Head if config.drafter == "eagle3" else EagleHead
-    layers = resolve_eagle3_layers(eagle, target.config.num_hidden_layers) if config.drafter == "eagle3" else (-1,)
+    eagle, head_cls, layers = eagle_family(target, config)
     timings: dict = {}
     data = recipe_data(target, config, layers, timings)
     sample, batch_size = data.train.sample, config.train.batch_size
