@@ -37,7 +37,7 @@ class RunProgress:
 
     step: int = 0
     tokens: int = 0  # token positions trained: the real tokens of every batch, padding excluded
-    seconds: float = 0.0  # wall time in the training loop
+    seconds: float = 0.0  # wall time in the training loop, stops (SIGSTOP) left out (clock.running_time)
     fetch_seconds: float = 0.0  # of which getting the batches' sequences (labelling them, with labels.storage: stream)
     window_loss: list[float] = field(default_factory=list)  # the last log_every losses
     metrics: dict[str, float] = field(default_factory=dict)  # the head's metrics at the last step

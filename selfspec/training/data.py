@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..models import Target
+from .clock import running_time
 from .sharegpt import ROLES, Conversation, load_sharegpt
 from .throughput import StageCount
 
@@ -169,7 +169,7 @@ def regenerate(
     count = count if count is not None else StageCount()
     with tqdm(total=len(todo), desc="regenerate", unit="conv") as bar, out_path.open("a", encoding="utf-8") as out:
         for start in range(0, len(todo), batch_size):
-            began = time.perf_counter()
+            began = running_time()
             batch = todo[start : start + batch_size]
             lines = []
             for (conversation_id, prompt, _), row in zip(
@@ -183,7 +183,7 @@ def regenerate(
                 lines.append(json.dumps({"id": conversation_id, "messages": messages}))
             out.write("".join(line + "\n" for line in lines))
             out.flush()
-            count.seconds += time.perf_counter() - began
+            count.seconds += running_time() - began
             count.sequences += len(batch)
             bar.update(len(batch))
             bar.set_postfix({"tok/s": f"{count.tokens / max(count.seconds, 1e-9):,.0f}"}, refresh=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from ..errors import SelfspecError
 from ..files import atomic_write, atomic_write_text
 from ..models import Target
+from .clock import running_time
 from .data import Example
 from .throughput import StageCount
 
@@ -111,7 +111,7 @@ def build_label_cache(
     done = sum(shard["examples"] for shard in manifest["shards"])
     with tqdm(total=len(examples), initial=done, desc="labels", unit="seq") as bar:
         while done < len(examples):
-            began = time.perf_counter()
+            began = running_time()
             batch = examples[done : done + shard_examples]
             sequences = []
             for example in batch:
@@ -127,7 +127,7 @@ def build_label_cache(
             _write_json(manifest_path, manifest)
             if count is not None:
                 count.tokens += manifest["shards"][-1]["tokens"]
-                count.seconds += time.perf_counter() - began
+                count.seconds += running_time() - began
                 count.sequences += len(batch)
     if not manifest["complete"]:  # zero examples
         manifest["complete"] = True

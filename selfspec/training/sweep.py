@@ -9,7 +9,6 @@ are chosen by (scripts/train_sweep.py writes the table)."""
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,6 +16,7 @@ from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
 from ..models import Target
+from .clock import running_time
 from .config import RecipeConfig
 from .eagle import EagleTraining, eagle_family, new_eagle_head
 from .labels import label_sequence
@@ -88,7 +88,7 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         batch = collate(sequences, target.device)
         positions += sum(len(sequence.input_ids) for sequence in sequences)
         for run in runs:
-            began = time.perf_counter()
+            began = running_time()
             torch.manual_seed(config.train.seed * 1_000_003 + step)  # the same feature noise for every arm
             loss, _ = run["module"](batch)
             run["optimizer"].zero_grad(set_to_none=True)
@@ -98,7 +98,7 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
             run["optimizer"].step()
             run["scheduler"].step()
             run["losses"].append(float(loss.detach()))
-            run["seconds"] += time.perf_counter() - began
+            run["seconds"] += running_time() - began
     calibration = _calibration_batches(target, data, config, calibration_sequences)
     rows = []
     for run in runs:

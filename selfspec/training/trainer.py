@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import math
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,6 +28,7 @@ from .checkpoints import (
     save_checkpoint,
     set_aside,
 )
+from .clock import running_time
 from .config import TrainConfig
 from .labels import LabeledSequence
 
@@ -102,7 +102,7 @@ class TrainSummary:
     resumed_from: int  # 0 when the run started fresh
     first_draft_accuracy: float | None  # the head's first-draft top-1 agreement at the last step
     tokens: int  # token positions trained over the whole run (resumed parts included), padding excluded
-    seconds: float  # wall time of the training loop over the whole run
+    seconds: float  # wall time of the training loop over the whole run, stops (SIGSTOP) left out
     fetch_seconds: float  # of which getting the batches' sequences (their labelling, when labels are streamed)
     precision: str  # "float32" or "bf16 autocast" (the head's weights stay float32)
 
@@ -176,14 +176,14 @@ def train(
     )
     with bar:
         for step in range(progress.step, total_steps):
-            began = time.perf_counter()
+            began = running_time()
             indices = batch_order(sequence_count, config.batch_size, config.seed, step)
             # Several processes (GPUs) split each batch; one process takes all of it.
             indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
             sequences = fetch(indices)
             if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
                 torch.cuda.synchronize()
-            fetched = time.perf_counter()
+            fetched = running_time()
             loss, progress.metrics = _step(
                 head,
                 collate(sequences, accelerator.device),
@@ -195,7 +195,7 @@ def train(
             )
             progress.window_loss = (progress.window_loss + [loss])[-config.log_every :]
             progress.tokens += _count_tokens(sequences, accelerator)
-            progress.step, progress.seconds = step + 1, progress.seconds + time.perf_counter() - began
+            progress.step, progress.seconds = step + 1, progress.seconds + running_time() - began
             progress.fetch_seconds += fetched - began
             if progress.step % config.log_every == 0 or progress.step == total_steps:
                 bar.set_postfix(_postfix(progress, first_metric), refresh=False)

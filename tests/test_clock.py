@@ -1,0 +1,54 @@
+"""The run clock leaves out the time a process was stopped (SIGSTOP), and only that: a long stretch in which the
+main thread holds the GIL is busy time, not a stop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from selfspec.training.clock import RunningClock
+
+CHILD = textwrap.dedent(
+    """
+    import time
+    from selfspec.training.clock import RunningClock
+
+    clock = RunningClock(tick=0.05, stall=0.5)
+    wall, running = time.perf_counter(), clock()
+    print("ready", flush=True)
+    while clock() - running < 2.0:
+        time.sleep(0.01)
+    print(time.perf_counter() - wall, clock() - running, clock.stopped_seconds(), flush=True)
+    """
+)
+
+
+def test_a_stop_is_left_out():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        child.send_signal(signal.SIGCONT)
+        wall, running, stopped = map(float, child.stdout.readline().split())
+        assert child.wait(timeout=30) == 0
+    finally:
+        child.kill()
+    # The child waited for 2 s of running time: the 2.5 s stop came on top, and the clock booked it as a stop.
+    assert wall >= 4.0, (wall, running)
+    assert 2.0 <= running < 2.8, (wall, running)
+    assert 2.0 <= stopped <= 2.9, stopped
+
+
+def test_holding_the_gil_is_not_a_stop():
+    clock = RunningClock(tick=0.05, stall=0.4)
+    wall, running = time.perf_counter(), clock()
+    sum(range(6 * 10**7))  # one C call: the ticker cannot run until it returns (about a second, more under load)
+    wall, running = time.perf_counter() - wall, clock() - running
+    assert wall > 0.5, "the busy call was too short to test anything: make it longer"
+    assert running >= 0.95 * wall, (wall, running)
+    assert clock.stopped_seconds() == 0.0
