@@ -95,25 +95,11 @@ def unrolled_mask(rows: int, step: int, dtype: torch.dtype, device) -> torch.Ten
     return mask.view(1, 1, rows, (step + 1) * rows)
 
 
-def train_eagle(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
-    return _train_eagle_family(target, config, config.eagle, EagleHead, (-1,), resume, max_steps, timings)
-
-
-def train_eagle3(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
-    layers = resolve_eagle3_layers(config.eagle3, target.config.num_hidden_layers)
-    return _train_eagle_family(target, config, config.eagle3, Eagle3Head, layers, resume, max_steps, timings)
-
-
-def _train_eagle_family(
-    target: Target,
-    config: RecipeConfig,
-    eagle: EagleConfig,
-    head_cls,
-    layers: tuple[int, ...],
-    resume: bool,
-    max_steps: int | None,
-    timings: dict,
+def train_eagle_family(
+    target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict
 ) -> dict:
+    """The `eagle` and `eagle3` recipes: data, a fresh head over the sample's draft vocabulary, the trainer."""
+    eagle, head_cls, layers = eagle_family(target, config)
     if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
         raise SelfspecError(f"{config.drafter}: top_k, depth and max_tree_nodes must be >= 1")
     data = recipe_data(target, config, layers, timings)

@@ -158,7 +158,9 @@ def grow_tree(
     return kept_tokens, kept_parents
 
 
-@register_drafter("eagle", options=EagleOptions, config=EagleConfig, recipe="selfspec.training.eagle:train_eagle")
+@register_drafter(
+    "eagle", options=EagleOptions, config=EagleConfig, recipe="selfspec.training.eagle:train_eagle_family"
+)
 class EagleDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)
     head_cls = EagleHead
