@@ -218,6 +218,7 @@ def test_train_cli_errors(tmp_path, capsys):
 
 def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_sharegpt):
     from selfspec.training.data import regenerate
+    from selfspec.training.throughput import StageCount
 
     target = load_target(str(tiny_checkpoint))
     conversations = load_conversations("sharegpt")[:6]
@@ -234,6 +235,19 @@ def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_s
     regenerate(target, load_conversations("sharegpt")[:8], batched, max_new_tokens=10, batch_size=4)
     rows = [json.loads(line) for line in batched.read_text().splitlines()]
     assert [r["id"] for r in rows[:6]] == [r["id"] for r in rows_a] and len(rows) == 8
+    # Replies made under other limits (or by another model, or with no settings on record) are never resumed: the
+    # file is set aside and the replies made afresh.
+    count = StageCount()
+    regenerate(target, conversations, batched, max_new_tokens=10, batch_size=4, count=count)
+    assert count.tokens == 0  # the same settings: resumed, nothing asked again
+    longer = regenerate(target, conversations, batched, max_new_tokens=14, batch_size=4, count=count)
+    assert count.sequences == 6 and json.loads(tmp_path.joinpath("a.settings.json").read_text())["max_new_tokens"] == 14
+    assert [json.loads(line) for line in tmp_path.joinpath("a.previous.jsonl").read_text().splitlines()] == rows
+    assert len(longer.read_text().splitlines()) == 6
+    tmp_path.joinpath("a.settings.json").unlink()
+    count = StageCount()
+    regenerate(target, conversations, batched, max_new_tokens=14, batch_size=4, count=count)
+    assert count.sequences == 6
 
 
 @pytest.mark.parametrize("template", [True, False], ids=["chat-template", "no-template"])

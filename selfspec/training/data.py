@@ -126,6 +126,32 @@ def _first_exchange(conversation: Conversation) -> list[dict] | None:
     return None
 
 
+def _keep_only_replies_of(target: Target, out_path: Path, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """Replies are resumed only when the same model made them under the same limits: `<out>.settings.json` says
+    which; a file made otherwise (or before the settings were recorded) is moved to `<out>.previous.jsonl`."""
+    settings = json.loads(
+        json.dumps(
+            {
+                "fingerprint": target.fingerprint.to_dict(),
+                "max_prompt_tokens": max_prompt_tokens,
+                "max_new_tokens": max_new_tokens,
+            }
+        )
+    )
+    settings_path = out_path.with_name(out_path.stem + ".settings.json")
+    if out_path.exists():
+        try:
+            recorded = json.loads(settings_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            recorded = None
+        if recorded != settings:
+            previous = out_path.with_name(out_path.stem + ".previous" + out_path.suffix)
+            out_path.replace(previous)
+            what = "without recorded settings" if recorded is None else "by another model or under other limits"
+            tqdm.write(f"{out_path} was made {what}: moved to {previous}; regenerating")
+    atomic_write_text(settings_path, json.dumps(settings, indent=1))
+
+
 def regenerate(
     target: Target,
     conversations: list[Conversation],
@@ -138,9 +164,9 @@ def regenerate(
 ) -> Path:
     """Write `out_path` (JSONL): for each conversation, its first user turn and the target's own greedy reply.
 
-    Resumable: conversations already in `out_path` are skipped, and each batch is appended whole (a torn last line
-    from an interruption is dropped on the next run; an empty reply is recorded too, and skipped when the
-    data is read). engine "batched": plain greedy decoding of `batch_size`
+    Resumable: conversations already in `out_path` (made by the same model under the same limits) are skipped, and
+    each batch is appended whole (a torn last line from an interruption is dropped on the next run; an empty reply
+    is recorded too, and skipped when the data is read). engine "batched": plain greedy decoding of `batch_size`
     prompts at once (left padding), the throughput choice on any device; "selfspec": selfspec's own lossless
     decoding (ngram drafter), one prompt at a time. Both give the target's greedy text (up to float ties).
     `count`, when given, receives the new tokens generated in this invocation and the seconds it took.
@@ -148,6 +174,7 @@ def regenerate(
     if engine not in ("batched", "selfspec"):
         raise SelfspecError(f"data.regenerate_engine must be 'batched' or 'selfspec', got '{engine}'")
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    _keep_only_replies_of(target, out_path, max_prompt_tokens, max_new_tokens)
     done = _completed_ids(out_path)
     todo = []
     for conversation in conversations:
