@@ -39,7 +39,7 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
     train_data, calibration = data.train, data.calibration
 
     draft_vocab = draft_vocabulary(train_data.sample, medusa.draft_vocab_size, target.vocab_size)
-    heads = MedusaHeads(medusa, target, draft_vocab).float()
+    heads = MedusaHeads(medusa, target, draft_vocab).float().to(target.device)  # where the labels are
     base = None
     if medusa.lora is not None:
         base = _with_lora(target, medusa)  # only the adapters train; the original labels were recorded before this
