@@ -52,3 +52,14 @@ def test_holding_the_gil_is_not_a_stop():
     assert wall > 0.5, "the busy call was too short to test anything: make it longer"
     assert running >= 0.95 * wall, (wall, running)
     assert clock.stopped_seconds() == 0.0
+
+
+def test_the_progress_bar_eta_is_this_invocations_pace_on_the_run_clock():
+    from selfspec.training.checkpoints import RunProgress
+    from selfspec.training.trainer import _postfix
+
+    # Resumed at step 10 (after 900 s) and now at step 30: 20 steps in 200 s of running time, 70 steps to go.
+    progress = RunProgress(step=30, tokens=110_000, seconds=1_100.0, window_loss=[2.0, 3.0], metrics={"top1": 0.25})
+    shown = _postfix(progress, "top1", 100, since=(20, 200.0))
+    assert shown == {"loss": "2.500", "first_draft_acc": "0.250", "tok/s": "100", "eta": "11:40"}
+    assert "eta" not in _postfix(progress, "top1", 100, since=(0, 0.0))  # no step of this invocation yet

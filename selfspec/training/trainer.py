@@ -169,10 +169,15 @@ def train(
     )
     fetch = get_batch or (lambda indices: [get_sequence(index) for index in indices])
     first_metric = accelerator.unwrap_model(head).first_draft_metric
-    resumed_from = progress.step
+    resumed_from, seconds_before = progress.step, progress.seconds
     head.train()
-    bar = tqdm(
-        total=total_steps, initial=progress.step, desc="train", unit="step", disable=not accelerator.is_main_process
+    bar = tqdm(  # the ETA is in the postfix, on the run's clock (a stopped process does not stretch it)
+        total=total_steps,
+        initial=progress.step,
+        desc="train",
+        unit="step",
+        disable=not accelerator.is_main_process,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{postfix}]",
     )
     with bar:
         for step in range(progress.step, total_steps):
@@ -198,7 +203,8 @@ def train(
             progress.step, progress.seconds = step + 1, progress.seconds + running_time() - began
             progress.fetch_seconds += fetched - began
             if progress.step % config.log_every == 0 or progress.step == total_steps:
-                bar.set_postfix(_postfix(progress, first_metric), refresh=False)
+                since = (progress.step - resumed_from, progress.seconds - seconds_before)
+                bar.set_postfix(_postfix(progress, first_metric, total_steps, since), refresh=False)
             bar.update(1)
             if accelerator.is_main_process and clock.due(progress.step):
                 save_checkpoint(
@@ -274,12 +280,18 @@ def _count_tokens(sequences: list[LabeledSequence], accelerator) -> int:
     return count
 
 
-def _postfix(progress: RunProgress, first_metric: str | None) -> dict[str, str]:
+def _postfix(
+    progress: RunProgress, first_metric: str | None, total_steps: int, since: tuple[int, float]
+) -> dict[str, str]:
     """The progress bar's numbers: the loss over the log window, the first-draft accuracy, token positions per
-    second over the whole run (tqdm adds the ETA), then the head's other metrics."""
+    second over the whole run, the ETA at this invocation's pace (`since`: its steps and seconds so far, stops
+    left out), then the head's other metrics."""
     shown = {"loss": f"{sum(progress.window_loss) / len(progress.window_loss):.3f}"}
     if first_metric in progress.metrics:
         shown["first_draft_acc"] = f"{progress.metrics[first_metric]:.3f}"
     shown["tok/s"] = f"{progress.tokens / max(progress.seconds, 1e-9):,.0f}"
+    steps, seconds = since
+    if steps > 0:
+        shown["eta"] = tqdm.format_interval((total_steps - progress.step) * seconds / steps)
     shown.update({k: f"{v:.2f}" for k, v in progress.metrics.items() if k != first_metric})
     return shown
