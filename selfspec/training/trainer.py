@@ -177,7 +177,7 @@ def train(
         desc="train",
         unit="step",
         disable=not accelerator.is_main_process,
-        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{postfix}]",
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}",
     )
     with bar:
         for step in range(progress.step, total_steps):
