@@ -63,3 +63,27 @@ def test_the_progress_bar_eta_is_this_invocations_pace_on_the_run_clock():
     shown = _postfix(progress, "top1", 100, since=(20, 200.0))
     assert shown == {"loss": "2.500", "first_draft_acc": "0.250", "tok/s": "100", "eta": "11:40"}
     assert "eta" not in _postfix(progress, "top1", 100, since=(0, 0.0))  # no step of this invocation yet
+
+
+def test_the_reports_stage_seconds_are_on_the_run_clock(monkeypatch):
+    """`training_report.json`'s timings (data_s, labels_s, train_s, heldout_eval_s, total_s) read the run clock:
+    a stage the process was stopped in for an hour reports its running seconds, not the hour."""
+    from types import SimpleNamespace
+
+    from selfspec.training import pipeline, stages
+
+    ticks = iter(range(0, 10_000, 7))  # each reading of the run clock is 7 s after the last
+    monkeypatch.setattr(stages, "running_time", lambda: next(ticks))
+    monkeypatch.setattr(stages, "train", lambda *args, **kwargs: "summary")
+    monkeypatch.setattr(stages, "checkpoint_dir", lambda config: None)
+    timings: dict = {}
+    data = SimpleNamespace(train=SimpleNamespace(count=1, get=None, get_batch=None))
+    assert stages.train_head(None, data, SimpleNamespace(train=None), False, None, timings) == "summary"
+    assert timings == {"train_s": 7}
+    monkeypatch.setattr(pipeline, "running_time", lambda: next(ticks))
+    monkeypatch.setattr(pipeline, "resolve_recipe", lambda drafter: lambda *args: {})
+    for stub in ("load_target", "evaluate_heldout", "write_report", "to_dict"):
+        monkeypatch.setattr(pipeline, stub, lambda *args: {})
+    config = SimpleNamespace(train=SimpleNamespace(seed=0), model="m", out="o", drafter="d")
+    report = pipeline.run_recipe(config)
+    assert report["timings"] == {"heldout_eval_s": 7, "total_s": 21}

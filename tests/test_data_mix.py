@@ -130,6 +130,7 @@ def test_the_mix_never_reads_the_heldout_split(tmp_path, tiny_checkpoint, multit
         ("regenerate: false\n  original_conversations: 10", "data.regenerate false"),
         ("regenerate: false\n  original_conversations: null", "data.regenerate false"),
         ("original_conversations: many", "expected int"),
+        ("regenerate_engine: turbo", "data.regenerate_engine must be one of batched, generate, selfspec"),
     ],
 )
 def test_bad_mix_values_are_one_line_errors(tmp_path, capsys, data, fragment):

@@ -226,9 +226,13 @@ def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_s
     lossless = regenerate(
         target, conversations, tmp_path / "b.jsonl", max_new_tokens=10, batch_size=4, engine="selfspec"
     )
+    transformers = regenerate(
+        target, conversations, tmp_path / "c.jsonl", max_new_tokens=10, batch_size=4, engine="generate"
+    )
     rows_a = [json.loads(line) for line in batched.read_text().splitlines()]
     rows_b = [json.loads(line) for line in lossless.read_text().splitlines()]
-    assert rows_a == rows_b and len(rows_a) == 6
+    assert rows_a == rows_b == [json.loads(line) for line in transformers.read_text().splitlines()]
+    assert len(rows_a) == 6
     assert rows_a[0]["messages"][0]["role"] == "user" and rows_a[0]["messages"][-1]["role"] == "assistant"
     # A torn last line (an interrupted run) is dropped and only the missing conversations are regenerated.
     batched.write_text(batched.read_text() + '{"id": "r9", "mess')

@@ -78,6 +78,22 @@ class InPlaceLayer(DynamicLayer):
         self._value_store[..., base : base + kept, :] = moved_values
         self.mark_filled(base + kept)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows, in this order (a batch that drops its finished sequences): the filled
+        positions move into new storage of the same capacity."""
+        if self._key_store is None:
+            return
+        stores = []
+        for store in (self._key_store, self._value_store):
+            kept = store.new_empty(rows.numel(), *store.shape[1:])
+            kept[..., : self.length, :] = store[..., : self.length, :].index_select(0, rows)
+            stores.append(kept)
+        self._key_store, self._value_store = stores
+        self.mark_filled(self.length)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:  # the cache API's name for the same thing
+        self.select_rows(indices)
+
     def truncate(self, length: int) -> None:
         if self.is_initialized and self._key_store is not None:
             self.mark_filled(min(length, self.length))

@@ -17,6 +17,8 @@ from ..heads.eagle import Eagle3Config, EagleConfig
 from ..heads.medusa import MedusaConfig
 from ..options import from_dict
 
+REGENERATE_ENGINES = ("batched", "generate", "selfspec")  # data.engine_replies, by name
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -31,15 +33,19 @@ class DataConfig:
     max_prompt_tokens: int = 256  # regeneration: skip conversations whose first user turn is longer
     max_new_tokens: int = 192  # regeneration: reply length cap
     regenerate_batch_size: int = 48
-    regenerate_engine: str = (
-        "batched"  # "batched" (HF generate, many prompts at once) or "selfspec" (lossless, one by one)
-    )
+    # "batched" (many prompts at once, in-place cache), "generate" (HF generate, same batches) or "selfspec"
+    # (lossless decoding, one prompt at a time)
+    regenerate_engine: str = "batched"
     calibration_fraction: float = 0.05  # the last part of the data: never trained on; measures top-k accuracies
 
     def __post_init__(self) -> None:  # checked when the recipe is read, not after hours of regeneration
         if self.original_conversations is not None and self.original_conversations < 0:
             raise SelfspecError(
                 f"data.original_conversations must be >= 0 (null: all), got {self.original_conversations}"
+            )
+        if self.regenerate_engine not in REGENERATE_ENGINES:
+            raise SelfspecError(
+                f"data.regenerate_engine must be one of {', '.join(REGENERATE_ENGINES)}, got '{self.regenerate_engine}'"
             )
         if not self.regenerate and self.original_conversations != 0:
             raise SelfspecError(

@@ -20,6 +20,7 @@ from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..models import Target
 from .clock import running_time
+from .greedy_batch import greedy_replies, supports_in_place
 from .sharegpt import ROLES, Conversation, load_sharegpt
 from .throughput import StageCount
 
@@ -152,6 +153,28 @@ def _keep_only_replies_of(target: Target, out_path: Path, max_prompt_tokens: int
     atomic_write_text(settings_path, json.dumps(settings, indent=1))
 
 
+def regeneration_prompts(
+    target: Target, conversations: list[Conversation], max_prompt_tokens: int, batch_size: int
+) -> list[tuple[str, list[dict], list[int]]]:
+    """(conversation id, first-exchange messages, prompt ids) for each conversation with a first user turn of at
+    most `max_prompt_tokens`, in the order `regenerate` batches them: similar lengths share a batch (less padding),
+    sorted within windows of 8 batches so an interrupted run is still a sample."""
+    todo = []
+    for conversation in conversations:
+        prompt = _first_exchange(conversation)
+        if prompt is None:
+            continue
+        ids = target.render_chat(prompt, True)
+        if len(ids) <= max_prompt_tokens:
+            todo.append((conversation.id, prompt, ids))
+    window = batch_size * 8
+    return [
+        item
+        for start in range(0, len(todo), window)
+        for item in sorted(todo[start : start + window], key=lambda item: len(item[2]))
+    ]
+
+
 def regenerate(
     target: Target,
     conversations: list[Conversation],
@@ -166,32 +189,18 @@ def regenerate(
 
     Resumable: conversations already in `out_path` (made by the same model under the same limits) are skipped, and
     each batch is appended whole (a torn last line from an interruption is dropped on the next run; an empty reply
-    is recorded too, and skipped when the data is read). engine "batched": plain greedy decoding of `batch_size`
-    prompts at once (left padding), the throughput choice on any device; "selfspec": selfspec's own lossless
-    decoding (ngram drafter), one prompt at a time. Both give the target's greedy text (up to float ties).
+    is recorded too, and skipped when the data is read). engine "batched": greedy decoding of `batch_size` prompts at
+    once on an in-place cache, finished rows leaving the batch (greedy_batch.py), the throughput choice on any
+    device (a model with sliding or other special cache layers falls back to "generate"); "generate": HF
+    `generate` over the same batches; "selfspec": selfspec's own lossless decoding (ngram drafter), one prompt at a
+    time. All give the target's greedy text (up to float ties).
     `count`, when given, receives the new tokens generated in this invocation and the seconds it took.
     """
-    if engine not in ("batched", "selfspec"):
-        raise SelfspecError(f"data.regenerate_engine must be 'batched' or 'selfspec', got '{engine}'")
+    replies_for = engine_replies(engine)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _keep_only_replies_of(target, out_path, max_prompt_tokens, max_new_tokens)
     done = _completed_ids(out_path)
-    todo = []
-    for conversation in conversations:
-        prompt = _first_exchange(conversation)
-        if prompt is None or conversation.id in done:
-            continue
-        ids = target.render_chat(prompt, True)
-        if len(ids) <= max_prompt_tokens:
-            todo.append((conversation.id, prompt, ids))
-    # Similar lengths share a batch (less padding), sorted within windows so an interrupted run is still a sample.
-    window = batch_size * 8
-    todo = [
-        item
-        for start in range(0, len(todo), window)
-        for item in sorted(todo[start : start + window], key=lambda item: len(item[2]))
-    ]
-    replies_for = _batched_replies if engine == "batched" else _selfspec_replies
+    todo = regeneration_prompts(target, [c for c in conversations if c.id not in done], max_prompt_tokens, batch_size)
     eos = set(target.eos_token_ids)
     count = count if count is not None else StageCount()
     with tqdm(total=len(todo), desc="regenerate", unit="conv") as bar, out_path.open("a", encoding="utf-8") as out:
@@ -217,7 +226,22 @@ def regenerate(
     return out_path
 
 
+def engine_replies(engine: str):
+    """The function behind a `data.regenerate_engine` name: (target, prompts' ids, max new tokens) -> each prompt's
+    reply ids (through its first end marker, or `max new tokens` long)."""
+    engines = {"batched": _batched_replies, "generate": _generate_replies, "selfspec": _selfspec_replies}
+    if engine not in engines:
+        raise SelfspecError(f"data.regenerate_engine must be one of {', '.join(engines)}, got '{engine}'")
+    return engines[engine]
+
+
 def _batched_replies(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    if not supports_in_place(target):  # sliding-window or other special cache layers
+        return _generate_replies(target, prompts, max_new_tokens)
+    return greedy_replies(target, prompts, max_new_tokens)
+
+
+def _generate_replies(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.eos_token_ids[0]
     width = max(len(ids) for ids in prompts)
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=target.device)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +22,7 @@ from ..heads.artifacts import REPORT
 from ..models import load_target
 from ..options import to_dict
 from ..sampling import SamplingConfig
+from .clock import running_time
 from .config import RecipeConfig
 from .sharegpt import load_sharegpt
 
@@ -78,13 +78,13 @@ def run_recipe(config: RecipeConfig, resume: bool = False, max_steps: int | None
     recipe = resolve_recipe(config.drafter)
     torch.manual_seed(config.train.seed)
     timings: dict[str, float] = {}
-    start = time.perf_counter()
+    start = running_time()
     target = load_target(config.model)
     report = recipe(target, config, resume, max_steps, timings)
-    began = time.perf_counter()
+    began = running_time()
     report["heldout"] = evaluate_heldout(Path(config.out), config.drafter, config)
-    timings["heldout_eval_s"] = round(time.perf_counter() - began, 1)
-    timings["total_s"] = round(time.perf_counter() - start, 1)
+    timings["heldout_eval_s"] = round(running_time() - began, 1)
+    timings["total_s"] = round(running_time() - start, 1)
     report["timings"] = timings
     report["config"] = to_dict(config)
     write_report(Path(config.out), report)

@@ -13,7 +13,6 @@ import math
 import multiprocessing as mp
 import os
 import random
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +25,7 @@ from ..errors import SelfspecError
 from ..files import atomic_write
 from ..heads.artifacts import save_head
 from ..models import Target
+from .clock import running_time
 from .config import DataConfig, RecipeConfig
 from .data import Example, load_conversations, regenerate, tokenize_conversation
 from .labels import LabeledSequence, build_label_cache, label_batch, label_sequence, load_label_cache
@@ -285,25 +285,25 @@ def recipe_data(
 ) -> RecipeData:
     """Examples and labels for a recipe (the shared first stages), timing each into `timings`."""
     tqdm.write(f"work directory (regenerated data, labels, checkpoints): {config.work_path}")
-    began = time.perf_counter()
+    began = running_time()
     regenerated = StageCount()
     train_examples, calibration_examples = prepare_examples(target, config, regenerated)
-    timings["data_s"] = round(time.perf_counter() - began, 1)
-    began = time.perf_counter()
+    timings["data_s"] = round(running_time() - began, 1)
+    began = running_time()
     train_data = label_examples(target, train_examples, config, "train", layers)
     calibration = (
         label_examples(target, calibration_examples, config, "calibration", layers).sample
         if label_calibration
         else None
     )
-    timings["labels_s"] = round(time.perf_counter() - began, 1)
+    timings["labels_s"] = round(running_time() - began, 1)
     mix = data_mix(train_examples, calibration_examples)
     return RecipeData(train_data, calibration_examples, calibration, regenerated, mix)
 
 
 def train_head(module, data: RecipeData, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict):
     """The trainer over a recipe's labelled data -> its TrainSummary; timed into `timings`."""
-    began = time.perf_counter()
+    began = running_time()
     summary = train(
         module,
         data.train.count,
@@ -314,7 +314,7 @@ def train_head(module, data: RecipeData, config: RecipeConfig, resume: bool, max
         max_steps,
         get_batch=data.train.get_batch,
     )
-    timings["train_s"] = round(time.perf_counter() - began, 1)
+    timings["train_s"] = round(running_time() - began, 1)
     return summary
 
 
