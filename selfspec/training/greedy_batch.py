@@ -37,11 +37,12 @@ def greedy_replies(target: Target, prompts: list[list[int]], max_new_tokens: int
     device, dtype = target.device, target.dtype
     eos = set(target.eos_token_ids)
     rows = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # the prompt each batch row answers
-    lengths = torch.tensor([len(prompts[row]) for row in rows])
-    width = int(lengths[-1])
+    lengths = torch.tensor([len(prompts[row]) for row in rows], device=device)
+    width = len(prompts[rows[-1]])
     # Key columns each batch row may attend to: its prompt right-aligned to `width`, then the replies.
-    keys = torch.zeros(len(rows), width + max_new_tokens, dtype=dtype)
-    keys[:, :width].masked_fill_(torch.arange(width) < (width - lengths)[:, None], torch.finfo(dtype).min)
+    keys = torch.zeros(len(rows), width + max_new_tokens, dtype=dtype, device=device)
+    padding = torch.arange(width, device=device) < (width - lengths)[:, None]
+    keys[:, :width].masked_fill_(padding, torch.finfo(dtype).min)
     replies: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode(), target.execution.active():
         cache, logits = _prefill(target, [prompts[row] for row in rows], width)
@@ -60,16 +61,16 @@ def greedy_replies(target: Target, prompts: list[list[int]], max_new_tokens: int
                 break
             if len(finished_in_batch) >= DROP_FINISHED * len(rows):
                 keep = [index for index in range(len(rows)) if index not in finished_in_batch]
-                kept = torch.tensor(keep, dtype=torch.long)
-                cache.batch_select_indices(kept.to(device))
+                kept = torch.tensor(keep, dtype=torch.long, device=device)
+                cache.batch_select_indices(kept)
                 rows = [rows[index] for index in keep]
-                chosen, next_positions, keys = chosen[kept.to(chosen.device)], next_positions[kept], keys[kept]
+                chosen, next_positions, keys = chosen[kept], next_positions[kept], keys[kept]
                 finished_in_batch = set()
             cached += 1
             logits = target.model(
                 input_ids=chosen.view(-1, 1),
-                attention_mask=keys[:, None, None, :cached].to(device),
-                position_ids=next_positions.view(-1, 1).to(device),
+                attention_mask=keys[:, None, None, :cached],
+                position_ids=next_positions.view(-1, 1),
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
