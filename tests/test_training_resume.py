@@ -187,7 +187,7 @@ def test_a_recipe_stopped_in_each_stage_resumes_to_the_uninterrupted_heads(
     assert len(manifest["shards"]) == 2 and not manifest["complete"]
     with monkeypatch.context() as patch:  # 3. resumed, stopped during step 7 of 12 (checkpoints every 4)
         labelled = _counting(patch, labels_module, "label_sequence")
-        _stop_after(patch, trainer_module, "_step", 6)
+        _stop_after(patch, trainer_module, "train_step", 6)
         with pytest.raises(Stop):
             run_recipe(config, resume=True)
     assert len(labelled) == manifest["examples"] - 32  # the sequences not labelled yet; the two shards were kept

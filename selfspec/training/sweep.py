@@ -21,7 +21,7 @@ from .config import RecipeConfig
 from .eagle import EagleTraining, eagle_family, new_eagle_head
 from .labels import label_sequence
 from .stages import recipe_data
-from .trainer import batch_order, collate, lr_factors
+from .trainer import batch_order, collate, head_accelerator, lr_factors, train_step
 
 
 @dataclass(frozen=True)
@@ -69,40 +69,36 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         )
     torch.manual_seed(config.train.seed)
     eagle, first = new_eagle_head(target, eagle, head_cls, data.train.sample)
+    _, accelerator = head_accelerator(first)  # the recipe's precision: float32 on a CPU, bf16 autocast on a GPU
     runs = []
     for arm in arms:
         head = copy.deepcopy(first)  # every arm starts from the same weights
-        module = EagleTraining(head, eagle).train()
-        optimizer = torch.optim.AdamW(
-            [p for p in head.parameters() if p.requires_grad], lr=arm.lr, weight_decay=config.train.weight_decay
-        )
+        trainable = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=arm.lr, weight_decay=config.train.weight_decay)
         schedule = replace(
             config.train, lr=arm.lr, warmup_steps=arm.warmup_steps, schedule="wsd", decay_steps=max(1, steps // 5)
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(schedule, steps))
-        runs.append({"arm": arm, "module": module, "optimizer": optimizer, "scheduler": scheduler, "seconds": 0.0})
-        runs[-1]["losses"] = []
+        module, optimizer, scheduler = accelerator.prepare(EagleTraining(head, eagle).train(), optimizer, scheduler)
+        runs.append(
+            {"arm": arm, "step": (module, optimizer, scheduler, accelerator, trainable), "seconds": 0.0, "losses": []}
+        )
     positions = 0
     for step in tqdm(range(steps), desc=f"sweep ({len(arms)} arms)", unit="step"):
         sequences = [sample[i] for i in batch_order(len(sample), batch_size, config.train.seed, step)]
-        batch = collate(sequences, target.device)
+        batch = collate(sequences, accelerator.device)
         positions += sum(len(sequence.input_ids) for sequence in sequences)
         for run in runs:
             began = running_time()
             torch.manual_seed(config.train.seed * 1_000_003 + step)  # the same feature noise for every arm
-            loss, _ = run["module"](batch)
-            run["optimizer"].zero_grad(set_to_none=True)
-            loss.backward()
-            if config.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(run["module"].parameters(), config.train.grad_clip)
-            run["optimizer"].step()
-            run["scheduler"].step()
-            run["losses"].append(float(loss.detach()))
+            module, optimizer, scheduler, accelerator, trainable = run["step"]
+            loss, _ = train_step(module, batch, optimizer, scheduler, accelerator, trainable, config.train.grad_clip)
+            run["losses"].append(loss)
             run["seconds"] += running_time() - began
     calibration = _calibration_batches(target, data, config, calibration_sequences)
     rows = []
     for run in runs:
-        measured = _measure(run["module"], calibration)
+        measured = _measure(run["step"][0], calibration)
         rows.append(
             {
                 "lr": run["arm"].lr,

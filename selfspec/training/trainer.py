@@ -148,15 +148,12 @@ def train(
     `branch_from`: a checkpoint of another run (same data and settings) to continue from, as a branch of it that
     writes its own checkpoints to `checkpoint_dir` (a wsd run's decay from one of its kept steps). With `resume`, a
     branch that already has checkpoints of its own continues from them."""
-    from accelerate import Accelerator
-
     if sequence_count == 0:
         raise SelfspecError("no training sequences: check the data source and max_length")
     total_steps = max_steps or config.max_steps
     clock = CheckpointClock(config, total_steps)
     torch.manual_seed(config.seed)
-    on_gpu = torch.cuda.is_available() and next(head.parameters()).device.type == "cuda"
-    accelerator = Accelerator(mixed_precision="bf16" if on_gpu else "no", cpu=not on_gpu)
+    on_gpu, accelerator = head_accelerator(head)
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(config, total_steps))
@@ -189,7 +186,7 @@ def train(
             if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
                 torch.cuda.synchronize()
             fetched = running_time()
-            loss, progress.metrics = _step(
+            loss, progress.metrics = train_step(
                 head,
                 collate(sequences, accelerator.device),
                 optimizer,
@@ -259,8 +256,19 @@ def _start_or_resume(
     return progress
 
 
-def _step(head, batch: Batch, optimizer, scheduler, accelerator, trainable, grad_clip: float) -> tuple[float, dict]:
-    """One optimizer step -> (the loss, the head's metrics)."""
+def head_accelerator(head: torch.nn.Module):
+    """(on a GPU?, the accelerate Accelerator a head trains under): float32 on a CPU, bf16 autocast on a GPU (the
+    head's weights stay float32)."""
+    from accelerate import Accelerator
+
+    on_gpu = torch.cuda.is_available() and next(head.parameters()).device.type == "cuda"
+    return on_gpu, Accelerator(mixed_precision="bf16" if on_gpu else "no", cpu=not on_gpu)
+
+
+def train_step(
+    head, batch: Batch, optimizer, scheduler, accelerator, trainable, grad_clip: float
+) -> tuple[float, dict]:
+    """One optimizer step -> (the loss, the head's metrics). The trainer's and the sweep's arms' step alike."""
     with accelerator.autocast():
         loss, metrics = head(batch)
     optimizer.zero_grad(set_to_none=True)
