@@ -19,7 +19,7 @@ from selfspec.heads.medusa import MedusaConfig, MedusaLoraConfig
 from selfspec.models import load_target
 from selfspec.training import labels as labels_module
 from selfspec.training.config import EvalConfig, TrainConfig, load_recipe
-from selfspec.training.data import load_conversations, tokenize_conversation
+from selfspec.training.data import Example, load_conversations, tokenize_conversation
 from selfspec.training.labels import build_label_cache, label_sequence, load_label_cache
 from selfspec.training.pipeline import run_recipe
 from selfspec.training.sharegpt import Conversation
@@ -82,6 +82,36 @@ def test_label_shapes_and_cache_round_trip_and_resume(tmp_path, tiny_checkpoint,
     cached = load_label_cache(directory)
     assert len(cached) == 4 and torch.equal(cached[0].topk_ids, sequence.topk_ids)
     assert torch.allclose(cached[0].hidden[-1].float(), sequence.hidden[-1].float())
+
+
+def test_streamed_labels_are_each_sequences_own_labels_with_no_padding(tiny_checkpoint, monkeypatch):
+    """label_batch (streamed labels) gives each sequence what label_sequence gives it alone; sequences of one length
+    share a forward, and no forward pads (no attention mask: plain causal attention, no position for nothing)."""
+    from selfspec.training.labels import label_batch
+
+    target = load_target(str(tiny_checkpoint))
+    torch.manual_seed(0)
+    lengths = [9, 17, 9, 5, 17, 9]
+    examples = [
+        Example(f"s{i}", torch.randint(3, target.vocab_size, (n,)), torch.ones(n, dtype=torch.bool))
+        for i, n in enumerate(lengths)
+    ]
+    forwards = []
+    target.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append((tuple(kwargs["input_ids"].shape), kwargs.get("attention_mask"))),
+        with_kwargs=True,
+    )
+    batch = label_batch(target, examples, (-1, 1), top_k=4)
+    assert sorted(shape for shape, _ in forwards) == [(1, 5), (2, 17), (3, 9)]
+    assert all(mask is None for _, mask in forwards)
+    forwards.clear()
+    for example, labeled in zip(examples, batch):
+        alone = label_sequence(target, example, (-1, 1), top_k=4)
+        assert torch.equal(labeled.input_ids, example.input_ids)
+        assert torch.equal(labeled.topk_ids.cpu(), alone.topk_ids)
+        assert torch.allclose(labeled.topk_probs.float().cpu(), alone.topk_probs.float(), atol=2e-3)
+        for layer in (-1, 1):
+            assert torch.allclose(labeled.hidden[layer].float().cpu(), alone.hidden[layer].float(), atol=2e-2)
 
 
 def test_tiny_training_run_lowers_the_loss(tmp_path, tiny_checkpoint):

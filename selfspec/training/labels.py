@@ -51,27 +51,27 @@ def label_sequence(target: Target, example: Example, layers: tuple[int, ...], to
 
 
 def label_batch(target: Target, examples: list[Example], layers: tuple[int, ...], top_k: int) -> list[LabeledSequence]:
-    """`label_sequence` for several sequences in one forward of the target (right-padded, attention-masked), the
-    results left on the target's device: what streamed labels use, so a GPU labels a training batch at once."""
-    width = max(len(example.input_ids) for example in examples)
-    input_ids = torch.zeros(len(examples), width, dtype=torch.long)
-    attention = torch.zeros(len(examples), width, dtype=torch.long)
+    """`label_sequence` for several sequences, the results left on the target's device: what streamed labels use.
+    Sequences of the same length go through one forward together; none is padded, so no position is computed for
+    nothing and attention stays plainly causal (a padding mask would make it attend over the whole square)."""
+    by_length: dict[int, list[int]] = {}
     for row, example in enumerate(examples):
-        input_ids[row, : len(example.input_ids)] = example.input_ids
-        attention[row, : len(example.input_ids)] = 1
-    labeled = []
+        by_length.setdefault(len(example.input_ids), []).append(row)
+    labeled: list[LabeledSequence | None] = [None] * len(examples)
     with torch.inference_mode():
-        outputs = target.model(
-            input_ids=input_ids.to(target.device),
-            attention_mask=attention.to(target.device),
-            use_cache=False,
-            output_hidden_states=bool(layers),
-        )
-        for row, example in enumerate(examples):  # per row: the softmax over the vocabulary is [L, V] float32
-            length = len(example.input_ids)
-            topk_probs, topk_ids = torch.softmax(outputs.logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
-            hidden = {layer: outputs.hidden_states[layer][row, :length].to(torch.bfloat16) for layer in layers}
-            labeled.append(LabeledSequence(example.input_ids, example.loss_mask, hidden, topk_ids, topk_probs.half()))
+        for rows in by_length.values():
+            outputs = target.model(
+                input_ids=torch.stack([examples[row].input_ids for row in rows]).to(target.device),
+                use_cache=False,
+                output_hidden_states=bool(layers),
+            )
+            for index, row in enumerate(rows):  # per row: the softmax over the vocabulary is [L, V] float32
+                example = examples[row]
+                topk_probs, topk_ids = torch.softmax(outputs.logits[index].float(), dim=-1).topk(top_k, dim=-1)
+                hidden = {layer: outputs.hidden_states[layer][index].to(torch.bfloat16) for layer in layers}
+                labeled[row] = LabeledSequence(
+                    example.input_ids, example.loss_mask, hidden, topk_ids, topk_probs.half()
+                )
     return labeled
 
 
