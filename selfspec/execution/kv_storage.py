@@ -1,7 +1,7 @@
 """The fast path's KV cache layer: keys and values written in place into storage reserved ahead, instead of
 concatenating every layer's whole cache at every step. Compaction after verification moves the accepted nodes within
 that storage. Writers other than `update` (the compiled steps) use the public part: `storage`, `reserve`,
-`mark_filled` and `length`."""
+`mark_filled` and `length`; a batch that drops finished rows (the regeneration's engine) uses `select_rows`."""
 
 from __future__ import annotations
 
