@@ -3,12 +3,12 @@
     python scripts/regeneration_throughput.py [--engines batched,generate] [--batch-sizes 48] [--prompts 96]
         [--max-new-tokens 192] [--out runs/regeneration-throughput]
 
-The prompts are the first `--prompts` conversations of the recipe's seeded order (ShareGPT's training split, first
-user turn, at most `--max-prompt-tokens` tokens), batched as `regenerate` batches them. For each batch size, batch
-after batch, every engine answers the same batch in turn, so machine noise falls on all alike. New tokens count as
-in the recipe's report (through the first end marker); seconds are on the run clock (stops left out). Also written:
-how many replies each engine gives that are identical to the first engine's (greedy ties between batch layouts can
-part them). Writes throughput.json and throughput.md under --out.
+The prompts: up to `--prompts` first user turns of at most `--max-prompt-tokens` tokens, from the first
+2 x `--prompts` conversations of the recipe's seeded order (ShareGPT's training split), batched as `regenerate`
+batches them. For each batch size, batch after batch, every engine answers the same batch in turn, so machine noise
+falls on all alike. New tokens count as in the recipe's report (through the first end marker); seconds are on the
+run clock (stops left out). Also written: how many replies each engine gives that are identical to the first
+engine's (greedy ties between batch layouts can part them). Writes throughput.json and throughput.md under --out.
 """
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [engine for engine in engines if engine not in REGENERATE_ENGINES]
     if unknown:
         parser.error(f"unknown engine {', '.join(unknown)}: choose from {', '.join(REGENERATE_ENGINES)}")
-    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    try:
+        batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error(f"--batch-sizes takes whole numbers separated by commas (e.g. 48,128), got '{args.batch_sizes}'")
+    if min(batch_sizes) < 1 or args.prompts < 1 or args.max_new_tokens < 1:
+        parser.error("--batch-sizes, --prompts and --max-new-tokens must be at least 1")
     target = load_target(args.model)
     eos = set(target.eos_token_ids)
     conversations = load_conversations("sharegpt", seed=0)
