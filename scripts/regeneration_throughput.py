@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -33,6 +34,12 @@ def reply_length(reply: list[int], eos: set[int]) -> int:
     return len(reply) if cut is None else cut + 1
 
 
+def _refuse(message: str) -> None:
+    """Bad input: one line on stderr, exit status 2, before anything is loaded."""
+    print(f"regeneration_throughput: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -48,13 +55,13 @@ def main(argv: list[str] | None = None) -> None:
     engines = args.engines.split(",")
     unknown = [engine for engine in engines if engine not in REGENERATE_ENGINES]
     if unknown:
-        parser.error(f"unknown engine {', '.join(unknown)}: choose from {', '.join(REGENERATE_ENGINES)}")
+        _refuse(f"unknown engine {', '.join(unknown)}: choose from {', '.join(REGENERATE_ENGINES)}")
     try:
         batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
     except ValueError:
-        parser.error(f"--batch-sizes takes whole numbers separated by commas (e.g. 48,128), got '{args.batch_sizes}'")
+        _refuse(f"--batch-sizes takes whole numbers separated by commas (e.g. 48,128), got '{args.batch_sizes}'")
     if min(batch_sizes) < 1 or args.prompts < 1 or args.max_new_tokens < 1:
-        parser.error("--batch-sizes, --prompts and --max-new-tokens must be at least 1")
+        _refuse("--batch-sizes, --prompts and --max-new-tokens must be at least 1")
     target = load_target(args.model)
     eos = set(target.eos_token_ids)
     conversations = load_conversations("sharegpt", seed=0)

@@ -78,3 +78,29 @@ def test_a_model_with_sliding_layers_is_left_to_generate():
 
 def test_no_prompts_no_replies():
     assert greedy_replies(make_tiny_target("llama"), [], 8) == []
+
+
+def test_the_throughput_script_times_the_engines_on_the_same_prompts(tmp_path, tiny_checkpoint, fake_sharegpt):
+    """scripts/regeneration_throughput.py: every engine answers the same prompts (the same replies here), each
+    timed; bad numbers are one line and exit 2 before any model is loaded."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "regeneration_throughput.py"
+    spec = importlib.util.spec_from_file_location("regeneration_throughput", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "out"
+    module.main(["--model", str(tiny_checkpoint), "--prompts", "8", "--batch-sizes", "3", "--max-new-tokens", "6",
+                 "--out", str(out)])  # fmt: skip
+    rows = json.loads((out / "throughput.json").read_text())["rows"]
+    assert [row["engine"] for row in rows] == ["batched", "generate"]
+    assert all(row["prompts"] == 8 and row["replies_identical_to_batched"] == 8 for row in rows)
+    assert rows[0]["new_tokens"] == rows[1]["new_tokens"] > 0 and all(row["new_tokens_per_s"] > 0 for row in rows)
+    done = subprocess.run(
+        [sys.executable, str(script), "--batch-sizes", "4,x"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--batch-sizes" in done.stderr
