@@ -113,6 +113,45 @@ def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, mon
     assert "forward" not in target.model.__dict__  # the stock forward is back outside the block
 
 
+def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypatch):
+    """The graphs honour only the new rows' block of a mask: one that hides cached positions (a padded row of a
+    batch, as the regeneration's engine leaves when its batch is down to one row) goes to the eager forward, whose
+    logits are then those of the fast path."""
+    from selfspec.training.greedy_batch import greedy_replies
+
+    target, _, _ = compiled_target
+    calls = []
+    original = CompiledStep.__call__
+    monkeypatch.setattr(
+        CompiledStep, "__call__", lambda self, ids, *rest: calls.append(ids.shape[1]) or original(self, ids, *rest)
+    )
+    hidden = torch.zeros(1, 1, 1, len(LONG_PROMPT) + 1, dtype=target.dtype)
+    hidden[..., 1:9] = torch.finfo(target.dtype).min  # positions 1-8 of the prompt hidden
+    logits = {}
+    with torch.inference_mode():
+        for name, path in (("fast", ExecutionPath(target.model, "fast")), ("compiled", target.execution)):
+            with path.active():
+                cache = path.new_cache()
+                chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
+                logits[name] = target.model(
+                    input_ids=torch.tensor([[7]]),
+                    attention_mask=hidden,
+                    position_ids=torch.tensor([[len(LONG_PROMPT)]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits
+    assert calls == []
+    torch.testing.assert_close(logits["compiled"], logits["fast"], atol=1e-5, rtol=1e-5)
+    # The regeneration's engine on the compiled path: a short prompt left alone in its batch, its cache padded.
+    short, long = LONG_PROMPT[:20], LONG_PROMPT + LONG_PROMPT[1:20]
+    alone = greedy_replies(target, [short], 12)[0]
+    first_of_long = greedy_replies(target, [long], 1)[0][0]
+    ending = target.with_eos((first_of_long,))  # the long prompt's row ends at once and leaves the batch
+    both = greedy_replies(ending, [short, long], 12)
+    cut = next((i for i, token in enumerate(alone) if token == first_of_long), None)
+    assert both == [alone if cut is None else alone[: cut + 1], [first_of_long]]
+
+
 def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_path):
     target, _, _ = compiled_target
     reference = hf_greedy(target, LONG_PROMPT, 40, eos=-1)

@@ -252,11 +252,17 @@ class CompiledStep:
         if kwargs.get("inputs_embeds") is not None or not isinstance(cache, DynamicCache) or not cache.layers:
             return False
         layers = cache.layers
-        return (
+        if not (
             all(type(layer) is InPlaceLayer and layer.storage is not None for layer in layers)
             and len({layer.length for layer in layers}) == 1
             and layers[0].length >= MIN_CACHED
-        )
+        ):
+            return False
+        # The graphs read only the new rows' block of a mask (every cached position visible): a mask that hides
+        # cached positions (a padded batch row, the regeneration's engine down to one row) runs eager.
+        mask = kwargs.get("attention_mask")
+        cached = layers[0].length
+        return mask is None or mask.dim() != 4 or mask.shape[-1] <= cached or not bool((mask[..., :cached] < 0).any())
 
     def __call__(self, input_ids, position_ids, attention_mask, cache: DynamicCache, output_hidden_states: bool):
         """One step through the compiled graphs; the cache's in-place layers take the new positions."""
