@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# A CPU build of torch; on a CUDA machine set TORCH=torch (or a CUDA wheel spec).
+# torch 2.13.0 as the package index serves it (the CPU build here); set TORCH for another (a CUDA build: TORCH=torch).
 TORCH ?= torch==2.13.0
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain how it works.
 

@@ -88,15 +88,21 @@ def device_key(device: torch.device | str) -> str:
     return f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads"
 
 
-def profile_path(device: torch.device | str, model_name: str, kernels: str = "stock") -> Path:
-    return cache_root() / "profiles" / f"{device_key(device)}--{model_name}--{kernels}.json"
+def profile_path(
+    device: torch.device | str, model_name: str, kernels: str = "stock", dtype: torch.dtype = torch.float32
+) -> Path:
+    """One profile per device, model, execution path and dtype (a bfloat16 step costs differently from a float32 one;
+    float32's file keeps the name it had before the dtype joined the key)."""
+    suffix = "" if dtype == torch.float32 else "--" + str(dtype).replace("torch.", "")
+    return cache_root() / "profiles" / f"{device_key(device)}--{model_name}--{kernels}{suffix}.json"
 
 
-def load_cost_curve(device: torch.device | str, model_name: str, kernels: str = "stock") -> CostCurve:
-    """The stored profile for this device, model and execution path (`kernels`: stock, fast or compiled) if `selfspec
-    profile`
-    made one, else the built-in estimate for that path."""
-    path = profile_path(device, model_name, kernels)
+def load_cost_curve(
+    device: torch.device | str, model_name: str, kernels: str = "stock", dtype: torch.dtype = torch.float32
+) -> CostCurve:
+    """The stored profile for this device, model, execution path (`kernels`: stock, fast or compiled) and dtype if
+    `selfspec profile` made one, else the built-in estimate for that path."""
+    path = profile_path(device, model_name, kernels, dtype)
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
@@ -165,7 +171,8 @@ def target_cost_curve(target: Target) -> CostCurve:
     """The curve drafters size their trees by: this device, model and execution path. With no stored profile, a short
     one is measured now (a few seconds) and stored, so a curve from another machine never sizes the trees here;
     SELFSPEC_AUTO_PROFILE=0 keeps the built-in estimate instead."""
-    curve = load_cost_curve(target.device, target.name, target.execution.name)
+    key = (target.device, target.name, target.execution.name, target.dtype)
+    curve = load_cost_curve(*key)
     if not curve.source.startswith("builtin") or os.environ.get("SELFSPEC_AUTO_PROFILE", "1") == "0":
         return curve
     print(
@@ -174,8 +181,8 @@ def target_cost_curve(target: Target) -> CostCurve:
         file=sys.stderr,
     )
     times = measure_forward_times(target, {"path": target.execution}, cache_length=256, repeats=3, sizes=QUICK_SIZES)
-    save_cost_curve(curve_from_times(times["path"], QUICK_SIZES), target.device, target.name, target.execution.name)
-    return load_cost_curve(target.device, target.name, target.execution.name)
+    save_cost_curve(curve_from_times(times["path"], QUICK_SIZES), *key)
+    return load_cost_curve(*key)
 
 
 def monotone_fit(values: list[float]) -> list[float]:
@@ -190,8 +197,14 @@ def monotone_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-def save_cost_curve(curve: CostCurve, device: torch.device | str, model_name: str, kernels: str = "stock") -> Path:
-    return atomic_write_text(profile_path(device, model_name, kernels), json.dumps(curve.to_dict(), indent=1))
+def save_cost_curve(
+    curve: CostCurve,
+    device: torch.device | str,
+    model_name: str,
+    kernels: str = "stock",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    return atomic_write_text(profile_path(device, model_name, kernels, dtype), json.dumps(curve.to_dict(), indent=1))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -4,6 +4,7 @@ decoding through either path equals plain greedy decoding."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -283,6 +284,20 @@ def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err == ""  # stored: not measured again
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "0")
     assert create_drafter("ngram", Target(target.model, None, "other-model")).cost_curve.source.startswith("builtin")
+
+
+def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
+    """A bfloat16 step costs differently from a float32 one: a curve measured in one never sizes the other's trees."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
+    single = make_tiny_target("llama", kernels="stock")
+    half = Target(copy.deepcopy(single.model).to(torch.bfloat16), None, single.name, kernels="stock")
+    assert create_drafter("ngram", single).cost_curve.source.endswith("--stock.json")  # float32: the name it had
+    capsys.readouterr()
+    assert create_drafter("ngram", half).cost_curve.source.endswith("--stock--bfloat16.json")
+    assert "measuring this machine's verification cost curve once" in capsys.readouterr().err
+    stored = sorted(path.name for path in (tmp_path / "cache" / "profiles").iterdir())
+    assert len(stored) == 2 and stored[1].endswith("--stock.json")
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "medusa", "dflash"])
