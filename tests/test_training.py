@@ -68,6 +68,9 @@ def test_label_shapes_and_cache_round_trip_and_resume(tmp_path, tiny_checkpoint,
     with torch.inference_mode():
         logits = target.model(examples[0].input_ids.view(1, -1)).logits[0]
     assert torch.equal(sequence.topk_ids[:, 0], logits.argmax(-1))  # row t: the target's guess for token t + 1
+    softmax = torch.softmax(logits.float(), dim=-1)  # the stored probabilities are the softmax's own (fp16-rounded)
+    assert torch.allclose(sequence.topk_probs.float(), softmax.gather(-1, sequence.topk_ids), atol=1e-3, rtol=1e-3)
+    assert torch.equal(sequence.topk_ids, softmax.topk(4, dim=-1).indices)
     # An interrupted cache: the first two shards exist, the run stops; the next run labels only the rest.
     calls = []
     real = labels_module.label_sequence

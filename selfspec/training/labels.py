@@ -36,6 +36,14 @@ class LabeledSequence:
     topk_probs: torch.Tensor  # [L, k] float: their probabilities (temperature 1)
 
 
+def top_k_distribution(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [L, V] -> the softmax's top-k (probabilities [L, k] float32, ids [L, k]) without writing the [L, V]
+    softmax: the top-k logits, normalised by the log-sum-exp (a third less time than softmax then top-k)."""
+    logits = logits.float()
+    top_logits, top_ids = logits.topk(top_k, dim=-1)
+    return (top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).exp(), top_ids
+
+
 def label_sequence(target: Target, example: Example, layers: tuple[int, ...], top_k: int) -> LabeledSequence:
     """One forward of the target over the whole sequence (no cache) -> its hidden states and top-k distribution."""
     with torch.inference_mode():
@@ -44,8 +52,7 @@ def label_sequence(target: Target, example: Example, layers: tuple[int, ...], to
             use_cache=False,
             output_hidden_states=bool(layers),
         )
-        probs = torch.softmax(outputs.logits[0].float(), dim=-1)
-        topk_probs, topk_ids = probs.topk(top_k, dim=-1)
+        topk_probs, topk_ids = top_k_distribution(outputs.logits[0], top_k)
         hidden = {layer: outputs.hidden_states[layer][0].to(torch.bfloat16).cpu() for layer in layers}
     return LabeledSequence(example.input_ids, example.loss_mask, hidden, topk_ids.cpu(), topk_probs.half().cpu())
 
@@ -65,9 +72,9 @@ def label_batch(target: Target, examples: list[Example], layers: tuple[int, ...]
                 use_cache=False,
                 output_hidden_states=bool(layers),
             )
-            for index, row in enumerate(rows):  # per row: the softmax over the vocabulary is [L, V] float32
+            for index, row in enumerate(rows):  # per row: the float32 logits are [L, V]
                 example = examples[row]
-                topk_probs, topk_ids = torch.softmax(outputs.logits[index].float(), dim=-1).topk(top_k, dim=-1)
+                topk_probs, topk_ids = top_k_distribution(outputs.logits[index], top_k)
                 hidden = {layer: outputs.hidden_states[layer][index].to(torch.bfloat16) for layer in layers}
                 labeled[row] = LabeledSequence(
                     example.input_ids, example.loss_mask, hidden, topk_ids, topk_probs.half()
