@@ -56,10 +56,22 @@ def compiled_target(tmp_path_factory):
     patch.undo()
 
 
-def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target):
+@pytest.mark.parametrize("stock_rows, small_graph", [(8, "few"), (2, "tree")])
+def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, monkeypatch, stock_rows, small_graph):
+    """A one-token, a two-token and a 7-token step give the fast path's logits, hidden states and cache. Steps of 1-3
+    tokens run in `few` where the stock kernel wins at their rows (`stock_rows` past them), else in `tree`, padded
+    with dummy rows that no real row sees."""
     target, _, messages = compiled_target
     assert target.execution.name == "compiled" and sum("compiling" in message for message in messages) == 2
+    step = target.execution.compiled
+    monkeypatch.setattr(step.dispatch, "stock_rows", stock_rows)
+    ran = []
+    for kind, runner in list(step.runners.items()):
+        monkeypatch.setitem(
+            step.runners, kind, lambda *inputs, kind=kind, runner=runner: ran.append(kind) or runner(*inputs)
+        )
     fast = ExecutionPath(target.model, "fast")
+    pair = DraftTree(tokens=torch.tensor([12, 30]), parents=torch.tensor([-1, 0]))
     results = {}
     with torch.inference_mode():
         for name, path in (("fast", fast), ("compiled", target.execution)):
@@ -70,21 +82,23 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target):
                 one = DraftTree.root_only(7)
                 single = tree_forward(target.model, cache, build_tree_inputs(one, cached, target.dtype, "cpu"), (0, 2))
                 compact_cache(cache, 1, (0,))
+                two = tree_forward(
+                    target.model, cache, build_tree_inputs(pair, cached + 1, target.dtype, "cpu"), (0, 2)
+                )
+                compact_cache(cache, 2, (0, 1))
                 tree = tree_forward(
-                    target.model, cache, build_tree_inputs(TREE, cached + 1, target.dtype, "cpu"), (0, 2)
+                    target.model, cache, build_tree_inputs(TREE, cached + 3, target.dtype, "cpu"), (0, 2)
                 )
                 compact_cache(cache, TREE.size, (0, 2, 5))  # a second child wins: a gather in the in-place storage
-                results[name] = single, tree, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    for index in (0, 1):
-        torch.testing.assert_close(
-            results["compiled"][index].logits, results["fast"][index].logits, atol=1e-4, rtol=1e-4
-        )
+                steps = single, two, tree
+                results[name] = steps, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    assert ran == [small_graph, small_graph, "tree"]
+    for compiled_step, fast_step in zip(results["compiled"][0], results["fast"][0]):
+        torch.testing.assert_close(compiled_step.logits, fast_step.logits, atol=1e-4, rtol=1e-4)
         for layer in (0, 2):
-            torch.testing.assert_close(
-                results["compiled"][index].hidden[layer], results["fast"][index].hidden[layer], atol=1e-4, rtol=1e-4
-            )
-    assert results["compiled"][2][0][0].shape[-2] == len(LONG_PROMPT) + 1 + 3
-    for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][2], results["fast"][2]):
+            torch.testing.assert_close(compiled_step.hidden[layer], fast_step.hidden[layer], atol=1e-4, rtol=1e-4)
+    assert results["compiled"][1][0][0].shape[-2] == len(LONG_PROMPT) + 3 + 3
+    for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][1], results["fast"][1]):
         torch.testing.assert_close(keys, fast_keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, fast_values, atol=1e-5, rtol=1e-5)
 
@@ -152,8 +166,10 @@ def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypa
     assert both == [alone if cut is None else alone[: cut + 1], [first_of_long]]
 
 
-def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_path):
+@pytest.mark.parametrize("stock_rows", [8, 2])  # one-token steps in `few`, or in `tree` padded
+def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_path, monkeypatch, stock_rows):
     target, _, _ = compiled_target
+    monkeypatch.setattr(target.execution.compiled.dispatch, "stock_rows", stock_rows)
     reference = hf_greedy(target, LONG_PROMPT, 40, eos=-1)
     for spec, heads in (("none", None), ("ngram", None), ("eagle:fixed_nodes=6", random_eagle_dir(target, tmp_path))):
         tokens, _ = speculative_generate(target, create_drafter(spec, target, heads), torch.tensor(LONG_PROMPT), 40)

@@ -4,12 +4,15 @@ On a CPU the fast path's eager forward spends a third of a one-token step outsid
 ops a forward, each paying PyTorch's dispatch and Python's call overhead. `torch.export` traces the stock
 transformers forward (no modelling code is copied) into one graph; AOTInductor fuses the element-wise ops into C++
 loops and compiles it into a shared library that any later process loads in about a second. Two graphs:
-- `few`: 2-3 new tokens, its products on MKL's stock kernel, which streams the weights as fast as memory allows at
-  so few rows. A one-token step runs here too, with a second, dummy row that sees only itself (it costs about
-  nothing: the weights are read once either way) and whose key and value are left outside the cache's length.
+- `few`: 2-3 new tokens, its products on MKL's stock kernel, which on some CPUs streams the weights as fast as memory
+  allows at so few rows. A one-token step runs here too, with a second, dummy row that sees only itself (it costs
+  about nothing: the weights are read once either way) and whose key and value are left outside the cache's length.
   Compiled without its weights, it reads the model's own parameters (shared, not copied).
 - `tree`: 4-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
   once for small row counts (that packed copy lives in the package).
+A step of 1-3 tokens goes to `few` only where the stock kernel beats the packed one at that many rows on this machine
+(the fast path's row split, `RowDispatch.stock_rows`, measured once per machine); elsewhere (the AVX2 EPYC, whose MKL
+takes 2.3x the packed kernel's time at two rows) it runs in `tree`, padded to four rows with dummy rows the same way.
 Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
 (kv_storage.InPlaceLayer, through its public `storage`/`reserve`/`mark_filled`), so a step copies no cache.
 Compiling takes about a minute per graph on a 2-core CPU, once per kind of CPU, model weights, dtype and software
@@ -36,6 +39,7 @@ from ..errors import SelfspecError
 from ..files import cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
 from .kv_storage import InPlaceLayer
+from .linears import RowDispatch
 
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
 GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (one row runs in `few`, padded)
@@ -172,12 +176,29 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
         temp.unlink(missing_ok=True)
 
 
+def _padded(input_ids, position_ids, tree_mask, rows: int) -> tuple:
+    """A step of n tokens made `rows` long for a graph that takes no fewer: dummy rows (the last token again, at the
+    next positions) that see the cache and themselves only, and that no real row sees. Their keys and values land past
+    the step's own and are left outside the cache's length."""
+    n = input_ids.shape[1]
+    extra = rows - n
+    lowest = torch.finfo(tree_mask.dtype).min
+    mask = torch.full((1, 1, rows, rows), lowest, dtype=tree_mask.dtype)
+    mask[..., :n, :n] = tree_mask.reshape(1, 1, n, n)
+    mask[..., n:, n:].diagonal(dim1=-2, dim2=-1).zero_()
+    input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, extra)], dim=1)
+    position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1).view(1, extra)], dim=1)
+    return input_ids, position_ids, mask
+
+
 class CompiledStep:
     """The two compiled graphs of one model, built on first use (or loaded from the cache), and the call that routes
     an eligible forward to them."""
 
-    def __init__(self, model: torch.nn.Module, model_name: str, log=None):
-        self.model, self.model_name = model, model_name
+    def __init__(self, model: torch.nn.Module, model_name: str, log=None, dispatch: RowDispatch | None = None):
+        """dispatch: the fast path's row split, which decides the graph of a 1-3 token step (`graph_for`); without
+        one, such steps take `few`."""
+        self.model, self.model_name, self.dispatch = model, model_name, dispatch
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
         self.directory: Path | None = None
@@ -241,6 +262,18 @@ class CompiledStep:
 
         return forward
 
+    def graph_for(self, n: int) -> tuple[str, int]:
+        """(graph, rows it runs) for a step of n new tokens: 4+ run in `tree` as they are; 1-3 run in `few`, padded
+        to at least its two rows, where the stock kernel beats the packed one at that many rows here, else in
+        `tree`, padded to its four."""
+        smallest_tree = GRAPHS["tree"][0]
+        if n >= smallest_tree:
+            return "tree", n
+        rows = max(n, GRAPHS["few"][0])
+        if self.dispatch is None or rows < self.dispatch.stock_rows:
+            return "few", rows
+        return "tree", smallest_tree
+
     def eligible(self, input_ids, cache, kwargs) -> bool:
         if (
             input_ids is None
@@ -278,20 +311,17 @@ class CompiledStep:
             raise SelfspecError(
                 f"compiled step: expected a [1, 1, {n}, {cached + n}] mask, got {tuple(attention_mask.shape)}"
             )
-        rows = n
-        if n == 1:  # padded to the `few` graph's two rows: a dummy second row that sees only itself
-            rows = 2
-            input_ids, position_ids = input_ids.repeat(1, 2), torch.cat([position_ids, position_ids + 1], dim=1)
-            tree_mask = torch.eye(2, dtype=dtype).sub_(1.0).mul_(-torch.finfo(dtype).min).view(1, 1, 2, 2)
+        kind, rows = self.graph_for(n)
+        if rows > n:
+            input_ids, position_ids, tree_mask = _padded(input_ids, position_ids, tree_mask, rows)
         for layer in cache.layers:
             layer.reserve(cached + rows)
         stores = ([layer.storage[0] for layer in cache.layers], [layer.storage[1] for layer in cache.layers])
-        graph = self.runners["few" if rows <= GRAPHS["few"][1] else "tree"]
-        logits, hidden = graph(
+        logits, hidden = self.runners[kind](
             input_ids, position_ids, tree_mask.to(dtype).contiguous(), torch.empty(0, cached), *stores
         )
         for layer in cache.layers:
-            layer.mark_filled(cached + n)  # a dummy row's key and value stay outside the length
+            layer.mark_filled(cached + n)  # the dummy rows' keys and values stay outside the length
         return CausalLMOutputWithPast(
             logits=logits[:, :n],
             past_key_values=cache,

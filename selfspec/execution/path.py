@@ -51,9 +51,9 @@ class ExecutionPath:
         self.model = model
         self.requested = kernels
         self.name, self.note = choice.name, choice.note
-        self.compiled = CompiledStep(model, model_name) if self.name == "compiled" else None
+        self.dispatch = RowDispatch()  # calibrated when the swaps are built, before any step runs
+        self.compiled = CompiledStep(model, model_name, dispatch=self.dispatch) if self.name == "compiled" else None
         self._swaps: list[ModuleSwap] | None = None
-        self.dispatch = RowDispatch()  # calibrated when the swaps are built
         self._depth = 0  # nested activations: only the outermost swaps modules in and out
 
     def _build_swaps(self) -> list[ModuleSwap]:
