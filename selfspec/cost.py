@@ -32,6 +32,9 @@ _BUILTIN = {
     "cuda": {1: 1.0, 8: 1.0, 16: 1.02, 32: 1.05, 64: 1.1},
 }
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Raised when an execution path's step costs change shape, so that curves measured before are measured again (a path
+# not named here is at 1). compiled 2: steps of 1-3 tokens go to the graph the row split favours (compiled.py).
+PATH_REVISIONS = {"compiled": 2}
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,12 @@ def load_cost_curve(
     device: torch.device | str, model_name: str, kernels: str = "stock", dtype: torch.dtype = torch.float32
 ) -> CostCurve:
     """The stored profile for this device, model, execution path (`kernels`: stock, fast or compiled) and dtype if
-    `selfspec profile` made one, else the built-in estimate for that path."""
+    `selfspec profile` made one on the path as it is now (PATH_REVISIONS), else the built-in estimate for that path."""
     path = profile_path(device, model_name, kernels, dtype)
     if path.is_file():
         data = json.loads(path.read_text())
-        return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
+        if data.get("path_revision", 1) == PATH_REVISIONS.get(kernels, 1):  # else measured on an older path: unused
+            return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
     kind = (
         "cuda"
         if torch.device(device).type == "cuda"
@@ -204,7 +208,8 @@ def save_cost_curve(
     kernels: str = "stock",
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    return atomic_write_text(profile_path(device, model_name, kernels, dtype), json.dumps(curve.to_dict(), indent=1))
+    document = curve.to_dict() | {"path_revision": PATH_REVISIONS.get(kernels, 1)}
+    return atomic_write_text(profile_path(device, model_name, kernels, dtype), json.dumps(document, indent=1))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from selfspec.cli import main
+from selfspec.cost import CostCurve, load_cost_curve, profile_path, save_cost_curve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.execution import (
@@ -298,6 +299,21 @@ def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
     assert "measuring this machine's verification cost curve once" in capsys.readouterr().err
     stored = sorted(path.name for path in (tmp_path / "cache" / "profiles").iterdir())
     assert len(stored) == 2 and stored[1].endswith("--stock.json")
+
+
+def test_a_curve_measured_on_an_older_revision_of_its_path_is_not_read(tmp_path, monkeypatch):
+    """The compiled path's small steps changed graph (PATH_REVISIONS): a curve stored before, without the revision,
+    falls back to the built-in estimate (so `target_cost_curve` measures anew); one saved now is read; paths that did
+    not change read their old files as before."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    curve = CostCurve((1, 4, 16), (1.0, 1.1, 1.5), source="test")
+    for kernels in ("compiled", "fast"):
+        profile_path("cpu", "m", kernels).parent.mkdir(parents=True, exist_ok=True)
+        profile_path("cpu", "m", kernels).write_text(json.dumps(curve.to_dict()))  # as stored before revisions
+    assert load_cost_curve("cpu", "m", "compiled").source == "builtin (cpu-compiled)"
+    assert load_cost_curve("cpu", "m", "fast").relative_cost == curve.relative_cost
+    save_cost_curve(curve, "cpu", "m", "compiled")
+    assert load_cost_curve("cpu", "m", "compiled").relative_cost == curve.relative_cost
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "medusa", "dflash"])
