@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 
 import selfspec.training.scaling as scaling_module
 from selfspec.errors import SelfspecError
+from selfspec.heads.artifacts import heldout_tau
 from selfspec.heads.eagle import Eagle3Config
 from selfspec.models import load_target
+from selfspec.options import to_dict
 from selfspec.training.config import EvalConfig, LabelConfig, TrainConfig
 from selfspec.training.pipeline import run_recipe
 from selfspec.training.scaling import fit_log_linear, predicted_positions, scaling_points, write_table
@@ -74,6 +76,15 @@ def test_a_point_per_kept_step_reached_each_a_measured_branch_kept_for_reruns(
     point = load_file(str(config.work_path / "scaling" / "head-2" / "model.safetensors"))
     reference = load_file(str(tmp_path / "straight" / "model.safetensors"))
     assert point.keys() == reference.keys() and all(torch.equal(point[k], reference[k]) for k in point)
+    # Its report names that run's recipe (so the head is reproducible as it is) and what auto reads.
+    report = json.loads((config.work_path / "scaling" / "head-2" / "training_report.json").read_text())
+    assert report["config"]["train"] == json.loads(json.dumps(to_dict(straight.train)))
+    assert (
+        report["heldout"]["mean_accepted_length"]
+        == two["tau_heldout"]
+        == heldout_tau(config.work_path / "scaling" / "head-2")
+    )
+    assert (report["steps"], report["positions"]) == (3, two["positions"])
     # The main run's checkpoints are untouched by the branches.
     assert sorted(p.name for p in (config.work_path / "checkpoints-heads").glob("step-*.pt")) == [
         "step-2.pt",

@@ -23,10 +23,11 @@ from ..errors import SelfspecError
 from ..files import atomic_write_text
 from ..heads.artifacts import save_head
 from ..models import Target
+from ..options import to_dict
 from .config import RecipeConfig
 from .draft_accuracy import eagle_chain_accuracy, greedy_continuations
 from .eagle import EagleTraining, eagle_family, new_eagle_head
-from .pipeline import evaluate_heldout
+from .pipeline import evaluate_heldout, write_report
 from .stages import checkpoint_dir, recipe_data
 from .trainer import train
 
@@ -77,6 +78,21 @@ def scaling_points(
             )
             heads_dir = work / f"head-{step}"
             save_head(heads_dir, config.drafter, eagle_config, head.state_dict(), target.fingerprint, {})
+            heldout = evaluate_heldout(heads_dir, config.drafter, config)
+            # The head's directory is whole, as `selfspec train` leaves one: its report says what it is (the recipe
+            # of a run of exactly this length) and what the held-out evaluation measured (auto reads it).
+            write_report(
+                heads_dir,
+                {
+                    "drafter": config.drafter,
+                    "scaling_point": {"branch_of": str(run_dir / f"step-{step}.pt"), "branch_steps": branch_steps},
+                    "steps": summary.steps,
+                    "positions": summary.tokens,
+                    "heldout": heldout,
+                    "timings": {"train_s": round(summary.seconds, 1)},
+                    "config": to_dict(replace(config, train=replace(schedule, log_every=config.train.log_every))),
+                },
+            )
             row = {
                 "step": step,
                 "reached": True,
@@ -87,7 +103,7 @@ def scaling_points(
                 "chain": {
                     name: eagle_chain_accuracy(target, head, eagle_config, rows) for name, rows in evaluation.items()
                 },
-                "tau_heldout": evaluate_heldout(heads_dir, config.drafter, config).get("mean_accepted_length"),
+                "tau_heldout": heldout.get("mean_accepted_length"),
             }
             atomic_write_text(path, json.dumps(row, indent=1) + "\n")
         rows.append(json.loads(path.read_text()))
