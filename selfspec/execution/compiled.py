@@ -42,7 +42,7 @@ from .kv_storage import InPlaceLayer
 from .linears import RowDispatch
 
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
-GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (one row runs in `few`, padded)
+GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (fewer are padded: graph_for)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
 PACKAGE_FORMAT = 3  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
