@@ -189,14 +189,24 @@ def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family
     assert target.execution.name == "compiled" and target.execution.compiled.runners is not None
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_sampling_through_the_compiled_path_follows_the_target_distribution(compiled_target, family):
-    """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled."""
+@pytest.mark.parametrize("family, stock_rows", [("llama", "2"), ("qwen3", "2"), ("llama", "8")])
+def test_sampling_through_the_compiled_path_follows_the_target_distribution(
+    compiled_target, family, stock_rows, monkeypatch
+):
+    """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled; steps of
+    1-3 tokens in `tree`, padded (a row split at 2), or in `few` (at 8)."""
+    monkeypatch.setenv("SELFSPEC_STOCK_ROWS", stock_rows)
     target = chi_target(kernels="compiled", family=family)
     target.execution.compiled.log = lambda message: None
+    graphs = []
+    choose = CompiledStep.graph_for
+    monkeypatch.setattr(
+        CompiledStep, "graph_for", lambda self, n: graphs.append((n, choose(self, n)[0])) or choose(self, n)
+    )
     prompt = [1 + (3 * i) % 7 for i in range(24)]
     counts = sample_joint(target, BigramTreeDrafter(target, drawn=True, without_replacement=True), 12_000, prompt)
     assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
+    assert {graph for n, graph in graphs if n < 4} == {"few" if stock_rows == "8" else "tree"}
 
 
 def test_packages_are_compiled_once_and_then_loaded(compiled_target):
