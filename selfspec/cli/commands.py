@@ -149,6 +149,9 @@ def _profile(args) -> None:
             f"fast path: linear layers take the stock kernel below {dispatch.stock_rows} rows, the packed one from "
             f"there on ({dispatch.source})"
         )
+    if "compiled" in paths:
+        small = " / ".join(paths["compiled"].compiled.graph_for(n)[0] for n in (1, 2, 3))
+        print(f"compiled path: steps of 1 / 2 / 3 tokens run in its {small} graph (by that split), 4-64 in 'tree'")
     for name, path in stored.items():
         print(f"{name} curve stored in {path}")
 
