@@ -19,8 +19,7 @@ from selfspec.errors import SelfspecError
 from selfspec.heads.artifacts import heldout_tau
 from selfspec.heads.eagle import Eagle3Config
 from selfspec.models import load_target
-from selfspec.options import to_dict
-from selfspec.training.config import EvalConfig, LabelConfig, TrainConfig
+from selfspec.training.config import EvalConfig, LabelConfig, TrainConfig, load_recipe
 from selfspec.training.pipeline import run_recipe
 from selfspec.training.scaling import fit_log_linear, predicted_positions, scaling_points, write_table
 
@@ -76,9 +75,15 @@ def test_a_point_per_kept_step_reached_each_a_measured_branch_kept_for_reruns(
     point = load_file(str(config.work_path / "scaling" / "head-2" / "model.safetensors"))
     reference = load_file(str(tmp_path / "straight" / "model.safetensors"))
     assert point.keys() == reference.keys() and all(torch.equal(point[k], reference[k]) for k in point)
-    # Its report names that run's recipe (so the head is reproducible as it is) and what auto reads.
+    # Its report holds that run's recipe, as a file `selfspec train` reads (its outputs apart from the long run's),
+    # and what auto reads.
     report = json.loads((config.work_path / "scaling" / "head-2" / "training_report.json").read_text())
-    assert report["config"]["train"] == json.loads(json.dumps(to_dict(straight.train)))
+    (tmp_path / "point-2.yaml").write_text(json.dumps(report["config"]))
+    recipe = load_recipe(tmp_path / "point-2.yaml")
+    assert recipe == replace(
+        config, out=f"{config.out}-step2", work_dir=f"{config.work_dir}-step2", train=straight.train
+    )
+    assert recipe.work_path != config.work_path
     assert (
         report["heldout"]["mean_accepted_length"]
         == two["tau_heldout"]

@@ -80,7 +80,14 @@ def scaling_points(
             save_head(heads_dir, config.drafter, eagle_config, head.state_dict(), target.fingerprint, {})
             heldout = evaluate_heldout(heads_dir, config.drafter, config)
             # The head's directory is whole, as `selfspec train` leaves one: its report says what it is (the recipe
-            # of a run of exactly this length) and what the held-out evaluation measured (auto reads it).
+            # of a run of exactly this length, its outputs and checkpoints apart from the long run's) and what the
+            # held-out evaluation measured (auto reads it).
+            recipe = replace(
+                config,
+                out=f"{config.out}-step{step}",
+                work_dir=f"{config.work_dir}-step{step}" if config.work_dir else None,
+                train=replace(schedule, log_every=config.train.log_every),
+            )
             write_report(
                 heads_dir,
                 {
@@ -90,7 +97,7 @@ def scaling_points(
                     "positions": summary.tokens,
                     "heldout": heldout,
                     "timings": {"train_s": round(summary.seconds, 1)},
-                    "config": to_dict(replace(config, train=replace(schedule, log_every=config.train.log_every))),
+                    "config": to_dict(recipe),
                 },
             )
             row = {
