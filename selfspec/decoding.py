@@ -30,6 +30,8 @@ class GenerationStats:
     wall_s: float  # prefill included, as a user waiting for the answer sees it
     stop_reason: str  # "eos", "max_new_tokens" or "context"
     paused_steps: int = 0  # steps the loop did not ask the drafter for a tree, its drafting not paying (DraftPacer)
+    draft_s: float = 0.0  # the drafter's share of the steps: its proposals and its bookkeeping of the results
+    verify_s: float = 0.0  # the target's tree forwards and their verification (the rest: prefill, the loop itself)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -52,6 +54,11 @@ class GenerationStats:
             f"{self.target_forwards} target forwards, mean accepted length {self.mean_accepted_length:.2f}, "
             f"stop: {self.stop_reason}"
             + (f", drafting paused for {self.paused_steps} steps" if self.paused_steps else "")
+            + (
+                f"; {self.draft_s / self.wall_s:.0%} of the time drafting, {self.verify_s / self.wall_s:.0%} verifying"
+                if self.wall_s > 0 and self.draft_s > 0
+                else ""
+            )
         )
 
 
@@ -111,6 +118,7 @@ def speculative_generate(
     accepted_lengths: list[int] = []
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
+    draft_s = verify_s = 0.0
     pacing = Pacing() if pacing is None else pacing
     pacing.new_request(pace)
     pacer = DraftPacer(drafter.cost_curve, pacing, enabled=pace and not paces_itself(drafter))
@@ -143,6 +151,7 @@ def speculative_generate(
             # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
             result = verify(tree, output.logits, sampling, StepDraws(seed, len(new_tokens), generator))
             forward_s = time.perf_counter() - forward_start
+            draft_s, verify_s = draft_s + (forward_start - step_start), verify_s + forward_s
             # 5. Commit, stopping at EOS anywhere inside the emitted tokens; keep only the accepted path's KV.
             emitted = result.emitted
             eos_at = next((i for i, token in enumerate(emitted) if token in eos), None)
@@ -168,6 +177,7 @@ def speculative_generate(
             pacing.verified(forward_s, drafter.cost_curve.cost(tree.size))
             drafter.observe(Observation(emitted, hidden, tree, result.accepted_path, pacing))
             now = time.perf_counter()
+            draft_s += now - observe_start
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
             pacer.record(
                 tree.size,
@@ -186,5 +196,7 @@ def speculative_generate(
         wall_s=time.perf_counter() - start,
         stop_reason=stop_reason,
         paused_steps=pacer.paused_steps,
+        draft_s=draft_s,
+        verify_s=verify_s,
     )
     return tuple(new_tokens), stats

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from selfspec.bench import metrics
@@ -105,3 +107,17 @@ def test_accepted_tokens_by_source_per_dataset():
     table = source_table(rows)
     assert table.splitlines()[2:] == ["| auto | d | 4 | 2 (50%) | 3 (75%) |"]  # no row for the drafter without sources
     assert source_table([by_name["ngram"]]) is None
+
+
+def test_time_shares_of_the_wall_time():
+    timed = [
+        replace(record("x", "p", 2.0, lengths=(2,)), draft_s=0.5, verify_s=1.0),
+        replace(record("x", "q", 2.0, lengths=(2,)), draft_s=0.3, verify_s=1.4),
+    ]
+    assert metrics.time_share(timed, "draft_s") == pytest.approx(0.2)
+    assert metrics.time_share(timed, "verify_s") == pytest.approx(0.6)
+    assert metrics.time_share([record("hf", "p", 1.0, new_tokens=4, forwards=4)], "draft_s") is None
+    rows = aggregate(timed + [record("hf", "p", 1.0, new_tokens=2, forwards=2)], 0.0, lambda n: 1.0)
+    shares = {row.drafter: (row.draft_share, row.verify_share) for row in rows}
+    assert shares == {"x": (0.2, 0.6), "hf": (None, None)}
+    assert "| drafting |" in markdown_table(rows)

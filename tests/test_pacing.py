@@ -93,6 +93,17 @@ def test_paused_drafting_emits_what_plain_decoding_does():
     assert unpaced.paused_steps == 0 and unpaced.tree_sizes.count(1) <= 1  # the last step: no budget left to draft
 
 
+def test_the_stats_split_the_time_into_drafting_and_verifying():
+    """GenerationStats' draft_s holds the drafter's proposals (here at least 10 ms each), verify_s the tree forwards;
+    both lie inside the wall time, and the summary gives the shares."""
+    target = without_eos(make_tiny_target("llama"))
+    _, stats = speculative_generate(target, SlowRandomDrafter(target), torch.tensor(PROMPT), 24, pace=False)
+    drafted = sum(1 for size in stats.tree_sizes if size > 1)
+    assert drafted >= 20 and stats.draft_s >= 0.01 * drafted
+    assert 0 < stats.verify_s and stats.draft_s + stats.verify_s <= stats.wall_s
+    assert "of the time drafting" in stats.summary() and "verifying" in stats.summary()
+
+
 class SelfPacedSlowDrafter(SlowRandomDrafter):
     """Registered with paces_itself=True below."""
 

@@ -31,6 +31,8 @@ class RunRecord:
     token_ids: tuple[int, ...]
     peak_mem_mb: float
     accepted_by_source: tuple[tuple[str, int], ...] = ()  # a composite drafter's accepted draft tokens per source
+    draft_s: float | None = None  # selfspec drafters: the drafter's share of the steps (GenerationStats); None for HF
+    verify_s: float | None = None  # selfspec drafters: the tree forwards and their verification
 
 
 def tau(records: Iterable[RunRecord]) -> float:
@@ -88,6 +90,14 @@ def accepted_by_source(records: Iterable[RunRecord]) -> dict[str, int] | None:
         for name, count in record.accepted_by_source:
             totals[name] = totals.get(name, 0) + count
     return totals or None
+
+
+def time_share(records: Iterable[RunRecord], part: str) -> float | None:
+    """The share of the wall time spent in `part` ("draft_s" or "verify_s"); None where a record did not time it."""
+    records = list(records)
+    seconds = [getattr(r, part) for r in records]
+    wall = sum(r.wall_s for r in records)
+    return sum(seconds) / wall if None not in seconds and wall > 0 else None
 
 
 def accepted_draft_tokens(records: Iterable[RunRecord]) -> int:

@@ -33,6 +33,8 @@ class Row:
     peak_mem_mb: float
     accepted_draft_tokens: int = 0  # draft tokens the verifier accepted, over all steps
     accepted_by_source: dict[str, int] | None = None  # composite drafters (auto): the same per source
+    draft_share: float | None = None  # share of the wall time the drafter took (proposals, bookkeeping); None for HF
+    verify_share: float | None = None  # share of the wall time in the target's tree forwards and verification
 
 
 def aggregate(
@@ -68,6 +70,8 @@ def aggregate(
                     peak_mem_mb=round(max(r.peak_mem_mb for r in mine), 1),
                     accepted_draft_tokens=metrics.accepted_draft_tokens(mine),
                     accepted_by_source=metrics.accepted_by_source(mine),
+                    draft_share=_round(metrics.time_share(mine, "draft_s")),
+                    verify_share=_round(metrics.time_share(mine, "verify_s")),
                 )
             )
     return rows
@@ -88,6 +92,7 @@ _COLUMNS = [
     ("speedup_vs_none", "vs none"),
     ("ceiling_vs_none", "ceiling"),
     ("mean_tree_size", "tree"),
+    ("draft_share", "drafting"),
     ("greedy_match_rate", "= HF"),
     ("peak_mem_mb", "peak MB"),
 ]

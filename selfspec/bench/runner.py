@@ -46,6 +46,8 @@ class MethodOutput:
     accepted_lengths: tuple[int, ...] = ()
     tree_sizes: tuple[int, ...] = ()
     accepted_by_source: tuple[tuple[str, int], ...] = ()  # composite drafters (auto): accepted draft tokens per source
+    draft_s: float | None = None  # selfspec drafters: GenerationStats' split of the time
+    verify_s: float | None = None
 
 
 Method = Callable[[torch.Tensor, int, int], MethodOutput]  # (input_ids [1, L], max_new_tokens, seed) -> output
@@ -114,7 +116,15 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
             drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed, pace=settings.pace, pacing=pacing
         )
         by_source = tuple((drafter.stats().accepted_since(before) or {}).items())
-        return MethodOutput(tokens, stats.target_forwards, stats.accepted_lengths, stats.tree_sizes, by_source)
+        return MethodOutput(
+            tokens,
+            stats.target_forwards,
+            stats.accepted_lengths,
+            stats.tree_sizes,
+            by_source,
+            stats.draft_s,
+            stats.verify_s,
+        )
 
     return run
 
@@ -222,6 +232,8 @@ def run_benchmark(
                     token_ids=output.token_ids,
                     peak_mem_mb=peak,
                     accepted_by_source=output.accepted_by_source,
+                    draft_s=output.draft_s,
+                    verify_s=output.verify_s,
                 )
             )
             bar.update()
