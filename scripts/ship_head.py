@@ -22,13 +22,12 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from selfspec.errors import SelfspecError
 from selfspec.files import atomic_directory
 from selfspec.heads import create_drafter
-from selfspec.heads.artifacts import CONFIG, REPORT, SHIPPED_DIR, WEIGHTS, heads_kind, heldout_tau
+from selfspec.heads.artifacts import CONFIG, REPORT, SHIPPED_DIR, WEIGHTS, heads_kind, heldout_tau, read_weights
 
 EAGLE_FAMILY = ("eagle", "eagle3")
 
@@ -59,9 +58,7 @@ def check_request(args) -> str:
 
 def stored_weights(directory: Path, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(the weights, floating ones cast to `dtype`; the file's metadata, its fingerprint included)."""
-    with safe_open(str(directory / WEIGHTS), framework="pt") as file:
-        metadata = file.metadata() or {}
-        state = {name: file.get_tensor(name) for name in file.keys()}
+    state, metadata = read_weights(directory / WEIGHTS)
     wanted = getattr(torch, dtype)
     return {name: t.to(wanted) if t.is_floating_point() else t for name, t in state.items()}, metadata
 

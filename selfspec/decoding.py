@@ -151,7 +151,8 @@ def speculative_generate(
             # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
             result = verify(tree, output.logits, sampling, StepDraws(seed, len(new_tokens), generator))
             forward_s = time.perf_counter() - forward_start
-            draft_s, verify_s = draft_s + (forward_start - step_start), verify_s + forward_s
+            proposal_s = forward_start - step_start
+            draft_s, verify_s = draft_s + proposal_s, verify_s + forward_s
             # 5. Commit, stopping at EOS anywhere inside the emitted tokens; keep only the accepted path's KV.
             emitted = result.emitted
             eos_at = next((i for i, token in enumerate(emitted) if token in eos), None)
@@ -177,15 +178,10 @@ def speculative_generate(
             pacing.verified(forward_s, drafter.cost_curve.cost(tree.size))
             drafter.observe(Observation(emitted, hidden, tree, result.accepted_path, pacing))
             now = time.perf_counter()
-            draft_s += now - observe_start
+            bookkeeping_s = now - observe_start
+            draft_s += bookkeeping_s
             # The drafter's share of the step: its proposal and its bookkeeping of the result.
-            pacer.record(
-                tree.size,
-                len(emitted),
-                now - step_start,
-                forward_s,
-                (forward_start - step_start) + (now - observe_start),
-            )
+            pacer.record(tree.size, len(emitted), now - step_start, forward_s, proposal_s + bookkeeping_s)
     pacer.remember()
     stats = GenerationStats(
         new_tokens=len(new_tokens),

@@ -81,12 +81,7 @@ def load_head(directory: Path, drafter: str, config_cls, target: Target) -> Head
             f"'{directory}' holds '{document['drafter']}' heads, not '{drafter}': use --drafter {document['drafter']}"
         )
     config = from_dict(config_cls, document["config"], where=str(config_path))
-    try:
-        with safe_open(str(weights_path), framework="pt") as file:
-            metadata = file.metadata() or {}
-            state = {name: file.get_tensor(name) for name in file.keys()}
-    except (SafetensorError, OSError) as error:
-        raise SelfspecError(f"{weights_path} is unreadable ({error}): retrain or re-download the heads") from None
+    state, metadata = read_weights(weights_path)
     if "fingerprint" not in metadata:
         raise SelfspecError(f"{weights_path} has no base-model fingerprint: it was not written by selfspec")
     fingerprint = ModelFingerprint.from_dict(json.loads(metadata["fingerprint"]))
@@ -97,6 +92,16 @@ def load_head(directory: Path, drafter: str, config_cls, target: Target) -> Head
             f"train heads for this model with `selfspec train {drafter}`"
         )
     return HeadArtifact(drafter, config, state, fingerprint, document["data"])
+
+
+def read_weights(weights_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A heads directory's weights file -> (its tensors, its metadata: the fingerprint, the drafter)."""
+    try:
+        with safe_open(str(weights_path), framework="pt") as file:
+            metadata = file.metadata() or {}
+            return {name: file.get_tensor(name) for name in file.keys()}, metadata
+    except (SafetensorError, OSError) as error:
+        raise SelfspecError(f"{weights_path} is unreadable ({error}): retrain or re-download the heads") from None
 
 
 def load_state_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
