@@ -95,7 +95,8 @@ def profile_path(
     device: torch.device | str, model_name: str, kernels: str = "stock", dtype: torch.dtype = torch.float32
 ) -> Path:
     """One profile per device, model, execution path and dtype (a bfloat16 step costs differently from a float32 one;
-    float32's file keeps the name it had before the dtype joined the key)."""
+    float32's file keeps the name it had before the dtype joined the key). `model_name` is `Target.cost_key`, the
+    folder name with a digest of the model's shapes, wherever selfspec stores or reads a target's curve."""
     suffix = "" if dtype == torch.float32 else "--" + str(dtype).replace("torch.", "")
     return cache_root() / "profiles" / f"{device_key(device)}--{model_name}--{kernels}{suffix}.json"
 
@@ -175,7 +176,7 @@ def target_cost_curve(target: Target) -> CostCurve:
     """The curve drafters size their trees by: this device, model and execution path. With no stored profile, a short
     one is measured now (a few seconds) and stored, so a curve from another machine never sizes the trees here;
     SELFSPEC_AUTO_PROFILE=0 keeps the built-in estimate instead."""
-    key = (target.device, target.name, target.execution.name, target.dtype)
+    key = (target.device, target.cost_key, target.execution.name, target.dtype)
     curve = load_cost_curve(*key)
     if not curve.source.startswith("builtin") or os.environ.get("SELFSPEC_AUTO_PROFILE", "1") == "0":
         return curve

@@ -147,6 +147,26 @@ class Target:
             tokenizer_hash=tokenizer_hash(self.tokenizer),
         )
 
+    @cached_property
+    def cost_key(self) -> str:
+        """The name this model's stored step-cost measurements go by (selfspec.cost): its folder name and a digest of
+        the shapes that decide what a step costs, so two models that share a folder name (two `checkpoint-500`s)
+        never share a curve, while a fine-tune of the same shapes in that folder keeps it."""
+        config = self.config
+        heads = config.num_attention_heads
+        shapes = {
+            "architecture": type(self.model).__name__,
+            "layers": self.num_layers,
+            "hidden": config.hidden_size,
+            "intermediate": getattr(config, "intermediate_size", None),
+            "heads": heads,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "vocab": self.vocab_size,
+        }
+        digest = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{Path(self.name).name}-{digest}"
+
     def new_cache(self) -> DynamicCache:
         """A KV cache for the decoding loop, of the kind the execution path in use writes fastest."""
         cache = self.execution.new_cache()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from selfspec.cli import main
-from selfspec.cost import CostCurve, load_cost_curve, profile_path, save_cost_curve
+from selfspec.cost import CostCurve, load_cost_curve, profile_path, save_cost_curve, target_cost_curve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.execution import (
@@ -330,6 +330,22 @@ def test_a_curve_measured_on_an_older_revision_of_its_path_is_not_read(tmp_path,
     assert load_cost_curve("cpu", "m", "fast").relative_cost == curve.relative_cost
     save_cost_curve(curve, "cpu", "m", "compiled")
     assert load_cost_curve("cpu", "m", "compiled").relative_cost == curve.relative_cost
+
+
+def test_two_models_of_one_folder_name_do_not_share_a_cost_curve(tmp_path, monkeypatch):
+    """Curves are stored under `Target.cost_key` (the folder name and a digest of the shapes): a model of other shapes
+    in a folder of the same name measures its own curve rather than sizing its trees by the first one's; a model of
+    the same shapes and other weights (a fine-tune) reads it."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    first, wider, finetune = make_tiny_target(), make_tiny_target(intermediate_size=128), make_tiny_target(seed=1)
+    assert first.name == wider.name == finetune.name
+    assert first.cost_key != wider.cost_key and first.cost_key == finetune.cost_key
+    assert first.cost_key.startswith(first.name + "-")
+    curve = CostCurve((1, 4, 16), (1.0, 1.1, 1.5), source="test")
+    save_cost_curve(curve, first.device, first.cost_key, first.execution.name, first.dtype)
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "0")  # no measuring: a miss shows as the built-in estimate
+    assert target_cost_curve(finetune).relative_cost == curve.relative_cost
+    assert target_cost_curve(wider).source.startswith("builtin")
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "medusa", "dflash"])

@@ -117,7 +117,7 @@ def _profile(args) -> None:
         paths["compiled"] = target.execution
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     stored = {
-        name: save_cost_curve(curve_from_times(times[name]), target.device, target.name, name, target.dtype)
+        name: save_cost_curve(curve_from_times(times[name]), target.device, target.cost_key, name, target.dtype)
         for name in paths
     }
     split = {"fast_stock_rows": paths["fast"].dispatch.stock_rows} if "fast" in paths else {}
