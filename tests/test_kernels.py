@@ -275,6 +275,25 @@ def test_profile_reports_both_paths(tiny_checkpoint, capsys, tmp_path, monkeypat
     assert "x stock@1" in capsys.readouterr().out
 
 
+def test_profile_recalibrate_measures_the_row_split_anew(tiny_checkpoint, capsys, tmp_path, monkeypatch):
+    """A stored row split is read as it is (even one measured on a busy machine) until `--recalibrate` measures and
+    stores it anew; asking that of the stock kernels alone is refused in one line."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(STOCK_ROWS_ENV, raising=False)
+    args = ["profile", "--model", str(tiny_checkpoint), "--cache-length", "8", "--repeats", "1", "--json"]
+    assert main(args) == 0
+    capsys.readouterr()
+    (stored,) = (tmp_path / "cache" / "profiles").glob("*--stock-rows.json")
+    stored.write_text(json.dumps({"stock_rows": 99}))  # a wrong verdict, as a loaded moment can leave
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["fast_stock_rows"] == 99
+    assert main([*args, "--recalibrate"]) == 0
+    measured = json.loads(stored.read_text())
+    assert json.loads(capsys.readouterr().out)["fast_stock_rows"] == measured["stock_rows"] <= max(CALIBRATION_ROWS) + 1
+    assert set(map(int, measured["ms_stock_packed"])) == set(CALIBRATION_ROWS)
+    assert main([*args, "--recalibrate", "--kernels", "stock"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")

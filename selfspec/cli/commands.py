@@ -106,15 +106,24 @@ def _profile(args) -> None:
     import torch
 
     from ..cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
+    from ..errors import SelfspecError
     from ..execution import ExecutionPath, fast_path_available
     from ..models import load_target
 
+    if args.recalibrate and args.kernels == "stock":
+        raise SelfspecError("--recalibrate measures the fast path's row split, which --kernels stock never uses")
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     paths = {"stock": ExecutionPath(target.model, "stock")}
     if fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock":
         paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
     if target.execution.name == "compiled":
         paths["compiled"] = target.execution
+    if args.recalibrate and "fast" in paths:
+        paths["fast"].recalibrate = True  # measured first (paths run in order), stored, then read by `compiled`
+    elif args.recalibrate:
+        raise SelfspecError(
+            "--recalibrate: this device and dtype have no fast path (stock kernels only), so no row split to measure"
+        )
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     stored = {
         name: save_cost_curve(curve_from_times(times[name]), target.device, target.cost_key, name, target.dtype)

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument("--repeats", type=_positive_int, default=7)
     profile.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure the fast path's row split anew and store it (else the stored one is kept)",
+    )
+    profile.add_argument(
         "--json", action="store_true", help='print {"sizes": [...], "ms": {"stock": [...], "fast": [...]}} only'
     )
 

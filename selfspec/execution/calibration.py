@@ -51,9 +51,11 @@ def measure_stock_rows(modules: list[torch.nn.Module], dispatch: RowDispatch, re
     return stock_rows, timings
 
 
-def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module]) -> None:
+def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module], remeasure: bool = False) -> None:
     """Set `dispatch.stock_rows` for these modules on this machine: $SELFSPEC_STOCK_ROWS, else the stored result for
-    this machine and these weight shapes, else measured now (a few seconds, once) and stored."""
+    this machine and these weight shapes, else measured now (a few seconds, once) and stored. `remeasure` measures
+    and stores anew even where a result is stored (`selfspec profile --recalibrate`: one taken while the machine was
+    busy can be wrong for good)."""
     if os.environ.get(STOCK_ROWS_ENV):
         dispatch.stock_rows, dispatch.source = max(1, int(os.environ[STOCK_ROWS_ENV])), f"${STOCK_ROWS_ENV}"
         return
@@ -64,7 +66,7 @@ def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module]) -> None:
         / "profiles"
         / f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads--linears-{signature}--stock-rows.json"
     )
-    if path.is_file():
+    if path.is_file() and not remeasure:
         dispatch.stock_rows, dispatch.source = int(json.loads(path.read_text())["stock_rows"]), str(path)
         return
     dispatch.stock_rows, timings = measure_stock_rows(modules, dispatch)

@@ -54,11 +54,12 @@ class ExecutionPath:
         self.dispatch = RowDispatch()  # calibrated when the swaps are built, before any step runs
         self.compiled = CompiledStep(model, model_name, dispatch=self.dispatch) if self.name == "compiled" else None
         self._swaps: list[ModuleSwap] | None = None
+        self.recalibrate = False  # measure the row split anew when the swaps are built, not read the stored one
         self._depth = 0  # nested activations: only the outermost swaps modules in and out
 
     def _build_swaps(self) -> list[ModuleSwap]:
         swaps = linear_swaps(self.model, self.dispatch)
-        calibrate(self.dispatch, [swap.fast for swap in swaps])
+        calibrate(self.dispatch, [swap.fast for swap in swaps], remeasure=self.recalibrate)
         return swaps
 
     @contextlib.contextmanager
