@@ -5,9 +5,10 @@ and only where that changes nothing measurable.
 
 HEADS_DIR must be whole (its config, weights fingerprinted to --model, and a training report with its held-out
 evaluation, which `auto` reads), and NAME must begin with its drafter's name (`eagle3-smollm2`): a drafter finds the
-heads shipped for a model by that prefix. With --dtype bfloat16 (EAGLE-family heads) the head's draft accuracy
-(chain@1/2/3 on the target's greedy continuations of MT-bench, HumanEval and held-out ShareGPT prompts, cached in
---work) is measured with its weights as they are and rounded to bfloat16; if any figure moves by more than
+heads shipped for a model by that prefix. With --dtype bfloat16 the head's draft accuracy (chain@1/2/3 on the
+target's greedy continuations of MT-bench, HumanEval and held-out ShareGPT prompts, cached in --work: EAGLE and
+EAGLE-3 unrolled, DFlash's block at 1/2/4, Medusa's heads 1..3) is measured with its weights as they are and
+rounded to bfloat16; if any figure moves by more than
 --tolerance, nothing is written. The report gains a `shipped` entry: where the head came from, its stored dtype, that
 check. The directory is written whole or not at all (an existing one is replaced).
 """
@@ -29,7 +30,7 @@ from selfspec.files import atomic_directory
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import CONFIG, REPORT, SHIPPED_DIR, WEIGHTS, heads_kind, heldout_tau, read_weights
 
-EAGLE_FAMILY = ("eagle", "eagle3")
+CHECKED = ("eagle", "eagle3", "dflash", "medusa")  # drafters whose draft accuracy the bfloat16 check can measure
 
 
 def check_request(args) -> str:
@@ -49,8 +50,8 @@ def check_request(args) -> str:
             f"'{source}' has no {REPORT} with a held-out evaluation (auto reads it): ship a head that "
             "`selfspec train` or scripts/eagle3_scaling.py wrote"
         )
-    if args.dtype == "bfloat16" and kind not in EAGLE_FAMILY:
-        raise SelfspecError(f"--dtype bfloat16 is checked for eagle and eagle3 heads only, not '{kind}': ship float32")
+    if args.dtype == "bfloat16" and kind not in CHECKED:
+        raise SelfspecError(f"--dtype bfloat16 is checked for {', '.join(CHECKED)} heads only, not '{kind}'")
     if args.tolerance < 0:
         raise SelfspecError(f"--tolerance must be >= 0, got {args.tolerance}")
     return kind
@@ -64,10 +65,13 @@ def stored_weights(directory: Path, dtype: str) -> tuple[dict[str, torch.Tensor]
 
 
 def write_heads(source: Path, destination: Path, dtype: str, shipped: dict | None) -> None:
-    """`source` copied to `destination` (atomically), its weights stored in `dtype`, its report given `shipped`."""
+    """`source` copied to `destination` (atomically), its weights stored in `dtype`, its report given `shipped`; its
+    other files (the config, a Medusa-2 adapter) as they are."""
     state, metadata = stored_weights(source, dtype)
     with atomic_directory(destination) as temp:
-        shutil.copyfile(source / CONFIG, temp / CONFIG)
+        for item in source.iterdir():
+            if item.name not in (WEIGHTS, REPORT):
+                (shutil.copytree if item.is_dir() else shutil.copyfile)(item, temp / item.name)
         save_file(state, str(temp / WEIGHTS), metadata=metadata)
         if (source / REPORT).is_file():
             report = json.loads((source / REPORT).read_text())
@@ -77,10 +81,19 @@ def write_heads(source: Path, destination: Path, dtype: str, shipped: dict | Non
 
 
 def chain_accuracy(target, kind: str, directory: Path, evaluation) -> dict[str, list[float]]:
-    from selfspec.training.draft_accuracy import eagle_chain_accuracy
+    from selfspec.training import draft_accuracy
 
     head = create_drafter(kind, target, directory).head.float()
-    return {name: eagle_chain_accuracy(target, head, head.config, rows) for name, rows in evaluation.items()}
+    if kind == "dflash":  # block depths 1, 2 and 4 where the block drafts that far
+        depths = tuple(depth for depth in (1, 2, 4) if depth < head.config.block_size)
+        return {
+            name: draft_accuracy.dflash_chain_accuracy(target, head, rows, depths) for name, rows in evaluation.items()
+        }
+    if kind == "medusa":
+        return {name: draft_accuracy.medusa_chain_accuracy(target, head, rows) for name, rows in evaluation.items()}
+    return {
+        name: draft_accuracy.eagle_chain_accuracy(target, head, head.config, rows) for name, rows in evaluation.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

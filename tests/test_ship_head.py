@@ -16,7 +16,7 @@ from selfspec.heads import create_drafter
 from selfspec.models import load_target
 from selfspec.training.pipeline import write_report
 
-from .helpers import random_dflash_dir, random_eagle3_dir
+from .helpers import random_dflash_dir, random_eagle3_dir, random_medusa_dir
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ship_head.py"
 
@@ -79,7 +79,7 @@ def test_a_bad_request_is_one_line_and_exit_2_before_anything_loads(tmp_path, ti
     cases = {
         (str(head), "smollm2-eagle3"): "the name must be 'eagle3-' and a lower-case suffix",
         (str(bare), "eagle3-tiny"): "has no training_report.json with a held-out evaluation",
-        (str(dflash), "dflash-tiny", "--dtype", "bfloat16"): "checked for eagle and eagle3 heads only",
+        (str(dflash), "eagle3-tiny"): "the name must be 'dflash-' and a lower-case suffix",
         (str(tmp_path / "missing"), "eagle3-tiny"): "is not a directory",
     }
     for arguments, message in cases.items():
@@ -92,3 +92,24 @@ def test_a_bad_request_is_one_line_and_exit_2_before_anything_loads(tmp_path, ti
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and message in lines[0], (arguments, done.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_dflash_and_medusa_heads_ship_in_bfloat16_with_their_own_chain_check(tmp_path, tiny_checkpoint, fake_sharegpt):
+    target = load_target(str(tiny_checkpoint))
+    ship = _script()
+    check = ["--eval-prompts", "1", "--max-new-tokens", "8", "--work", str(tmp_path / "work"), "--tolerance", "1"]
+    for kind, make in (("dflash", random_dflash_dir), ("medusa", random_medusa_dir)):
+        source = make(target, tmp_path / kind)
+        write_report(source, {"drafter": kind, "heldout": {"mean_accepted_length": 1.2}})
+        into = ["--model", str(tiny_checkpoint), "--into", str(tmp_path / "trained"), "--dtype", "bfloat16"]
+        assert ship.main([str(source), f"{kind}-tiny", *into, *check]) == 0
+        shipped = tmp_path / "trained" / f"{kind}-tiny"
+        measured = json.loads((shipped / "training_report.json").read_text())["shipped"]["bfloat16_check"]
+        head = create_drafter(kind, target, source).head
+        # DFlash at block depths 1/2/4 as far as its block drafts, Medusa heads 1..3
+        depths = sum(d < head.config.block_size for d in (1, 2, 4)) if kind == "dflash" else min(3, head.num_heads)
+        assert all(len(figures) == depths for figures in measured["chain_float32"].values())
+        assert {t.dtype for t in load_file(str(shipped / "model.safetensors")).values() if t.is_floating_point()} == {
+            torch.bfloat16
+        }
+        create_drafter(kind, target, shipped)  # loads: the fingerprint and every key kept

@@ -14,6 +14,7 @@ from ..decoding import speculative_generate
 from ..heads import create_drafter
 from ..heads.dflash import DFlashHead
 from ..heads.eagle import EagleConfig, EagleFamilyHead
+from ..heads.medusa import MedusaHeads
 from ..models import Target
 from .eagle import EagleTraining
 
@@ -91,4 +92,25 @@ def dflash_chain_accuracy(target: Target, head: DFlashHead, rows, depths: tuple[
             for index, depth in enumerate(depths):
                 hits[index] += right[:, depth - 1].sum()
             total += anchors.shape[1]
+    return [round(float(h) / max(1, total), 4) for h in hits]
+
+
+def medusa_chain_accuracy(target: Target, heads: MedusaHeads, rows, depth: int = 3) -> list[float]:
+    """P(the top-1 drafts of heads 1..d all equal the target's greedy tokens), d = 1..depth: from the last hidden
+    state at position t (whose own next token t + 1 the target gives), head k drafts token t + k + 1 (k from 1)."""
+    depth = min(depth, heads.num_heads)
+    hits, total = torch.zeros(depth), 0
+    with torch.inference_mode():
+        for sequence, prompt_length in rows:
+            roots = torch.arange(prompt_length - 1, len(sequence) - 1 - depth)  # roots inside the continuation
+            if len(roots) == 0:
+                continue
+            ids = sequence.view(1, -1).to(target.device)
+            hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, roots]  # [N, H]
+            logits = heads.draft_logits(heads.head_states(hidden.to(heads.draft_lm_weight.dtype))[:depth])
+            drafts = heads.draft_vocab[logits.argmax(-1)].cpu()  # [depth, N]
+            want = sequence[roots.view(1, -1) + torch.arange(2, depth + 2).view(-1, 1)]  # the continuation is greedy
+            right = (drafts == want).cumprod(dim=0)
+            hits += right.sum(dim=1).float()
+            total += len(roots)
     return [round(float(h) / max(1, total), 4) for h in hits]
