@@ -192,11 +192,16 @@ def _bench(args) -> None:
 
 
 def _train(args) -> None:
-    from ..training.config import load_recipe, tiny_scale
+    from ..training.config import load_joint_recipe, load_recipe, tiny_scale
     from ..training.pipeline import resolve_recipe, run_recipe
 
+    overrides = {"model": args.model, "out": args.out}
+    if args.drafter == "heads":  # a joint recipe: one label pass, every head (the recipe is read before any model)
+        joint = load_joint_recipe(args.config, overrides)
+        _train_heads(tiny_scale(joint) if args.tiny else joint, args)
+        return
     resolve_recipe(args.drafter)  # an unknown or untrainable drafter fails before the recipe is read
-    config = load_recipe(args.config, {"model": args.model, "out": args.out})
+    config = load_recipe(args.config, overrides)
     if args.tiny:
         config = tiny_scale(config)
     if config.drafter != args.drafter:
@@ -209,6 +214,18 @@ def _train(args) -> None:
         f"heads written to {config.out}; held-out mean accepted length {heldout.get('mean_accepted_length', '-')}; "
         f"report: {config.out}/training_report.json"
     )
+
+
+def _train_heads(config, args) -> None:
+    from ..training.joint import run_joint
+
+    reports = run_joint(config, resume=args.resume, max_steps=args.max_steps)
+    for name, report in reports.items():
+        heldout = report.get("heldout", {})
+        print(
+            f"{name} written to {config.out}/{name}; held-out mean accepted length "
+            f"{heldout.get('mean_accepted_length', '-')}; report: {config.out}/{name}/training_report.json"
+        )
 
 
 def _tune(args) -> None:

@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="self-distil a drafter's heads from the target (data, labels, training, eval)"
     )
     train.add_argument(
-        "drafter", help="which drafter to train (those with a training recipe: medusa, eagle, eagle3, dflash)"
+        "drafter",
+        help="which drafter to train (those with a training recipe: medusa, eagle, eagle3, dflash), or `heads`: "
+        "EAGLE-3, DFlash and Medusa-1 together from one label pass (a joint recipe, e.g. configs/heads-smollm2.yaml)",
     )
     train.add_argument("--config", required=True, help="a YAML recipe, e.g. configs/medusa-smollm2.yaml")
     train.add_argument("--model", default=None, help="override the recipe's model")

@@ -41,6 +41,7 @@ class RunProgress:
     fetch_seconds: float = 0.0  # of which getting the batches' sequences (labelling them, with labels.storage: stream)
     window_loss: list[float] = field(default_factory=list)  # the last log_every losses
     metrics: dict[str, float] = field(default_factory=dict)  # the head's metrics at the last step
+    planned_steps: int | None = None  # the run's total steps, once a time budget fixed them (budget.py)
 
 
 def run_settings(config: TrainConfig, sequence_count: int) -> dict:

@@ -81,6 +81,10 @@ class TrainConfig:
     schedule: str = "cosine"
     decay_steps: int = 0  # wsd: the decay's length in steps
     keep_steps: tuple[int, ...] = ()  # checkpoints taken at these steps and never pruned (branch points)
+    # A limit on the training loop's minutes (null: none). After a short measured warm-up the run's total steps are
+    # fixed at min(max_steps, the steps that fit what is left of it at the measured pace), and the schedule decays
+    # to that total; the plan is kept in the checkpoints, so a resumed run follows it (trainer.py, StepBudget).
+    time_budget_minutes: float | None = None
 
     def __post_init__(self) -> None:  # checked when the recipe is read, not hours later when training starts
         for name in ("batch_size", "max_steps", "checkpoint_every", "log_every"):
@@ -94,6 +98,10 @@ class TrainConfig:
             )
         if any(step < 1 for step in self.keep_steps):
             raise SelfspecError(f"train.keep_steps must be steps >= 1, got {list(self.keep_steps)}")
+        if self.time_budget_minutes is not None and self.time_budget_minutes <= 0:
+            raise SelfspecError(
+                f"train.time_budget_minutes must be > 0 (null: no limit), got {self.time_budget_minutes}"
+            )
         if self.checkpoint_minutes < 0 or self.warmup_steps < 0:
             raise SelfspecError(
                 f"train.checkpoint_minutes (0: by steps only) and train.warmup_steps must be >= 0, "
@@ -132,8 +140,81 @@ class RecipeConfig:
         return cache_root() / "runs" / f"{out.name}-{hashlib.sha1(str(out).encode()).hexdigest()[:8]}"
 
 
-def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig:
-    """Read a YAML recipe; `overrides` (e.g. from CLI flags: {"out": ..., "train.max_steps": 10}) win."""
+JOINT_HEADS = ("eagle3", "dflash", "medusa")  # the heads one label pass can train together (selfspec train heads)
+
+
+@dataclass(frozen=True)
+class HeadRates:
+    """Each head's learning rate in a joint recipe (its own AdamW parameter group); null = train.lr."""
+
+    eagle3: float | None = None
+    dflash: float | None = None
+    medusa: float | None = None
+
+
+@dataclass(frozen=True)
+class JointConfig:
+    """`selfspec train heads`: one label pass feeds several heads trained in the same steps (training/joint.py).
+    The shared sections mean what they mean in a single recipe; each head keeps its own section and is written to
+    `out/<head>` (e.g. runs/heads/eagle3) as its own recipe would write it."""
+
+    heads: tuple[str, ...] = JOINT_HEADS  # any non-empty subset of JOINT_HEADS, trained together
+    model: str = "default"
+    out: str = "runs/heads"  # each head goes to out/<head>
+    work_dir: str | None = None  # as RecipeConfig.work_dir (default: derived from `out`)
+    data: DataConfig = field(default_factory=DataConfig)
+    labels: LabelConfig = field(default_factory=LabelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    head_lr: HeadRates = field(default_factory=HeadRates)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.heads if name not in JOINT_HEADS]
+        if not self.heads or unknown or len(set(self.heads)) != len(self.heads):
+            raise SelfspecError(f"heads must be distinct names among {', '.join(JOINT_HEADS)}, got {list(self.heads)}")
+        if self.medusa.lora is not None:  # Medusa-2 trains the base itself: its labels change as it trains
+            raise SelfspecError(
+                "a joint recipe trains Medusa-1 only (frozen base): drop medusa.lora, or train "
+                "Medusa-2 alone with `selfspec train medusa`"
+            )
+
+    def shared_recipe(self) -> RecipeConfig:
+        """The recipe the shared stages (data, labels, the trainer's checkpoints) run under."""
+        return RecipeConfig(
+            "heads",
+            self.model,
+            self.out,
+            self.work_dir,
+            self.data,
+            self.labels,
+            self.train,
+            self.eval,
+            medusa=self.medusa,
+            eagle3=self.eagle3,
+            dflash=self.dflash,
+        )
+
+    def head_recipe(self, name: str) -> RecipeConfig:
+        """Head `name` as its own recipe: its output directory, its learning rate, the shared work directory."""
+        rate = getattr(self.head_lr, name)
+        return replace(
+            self.shared_recipe(),
+            drafter=name,
+            out=str(Path(self.out) / name),
+            work_dir=str(self.work_path),
+            train=replace(self.train, lr=self.train.lr if rate is None else rate),
+        )
+
+    @property
+    def work_path(self) -> Path:
+        return self.shared_recipe().work_path
+
+
+def _read_recipe(path: str | Path, overrides: dict | None) -> dict:
+    """A YAML recipe as a mapping, `overrides` (e.g. from CLI flags: {"out": ..., "train.max_steps": 10}) applied."""
     path = Path(path)
     if not path.is_file():
         raise SelfspecError(f"config file '{path}' does not exist")
@@ -141,6 +222,8 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise SelfspecError(f"config file '{path}' is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SelfspecError(f"config file '{path}' is not a mapping of recipe keys")
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -149,10 +232,32 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    return from_dict(RecipeConfig, data, where=path.name)
+    return data
 
 
-def tiny_scale(config: RecipeConfig) -> RecipeConfig:
+def load_recipe(path: str | Path, overrides: dict | None = None) -> RecipeConfig:
+    """Read a single head's YAML recipe; `overrides` win. A joint recipe (one with `heads:`) is an error here."""
+    data = _read_recipe(path, overrides)
+    if "heads" in data:
+        raise SelfspecError(
+            f"{path} is a joint recipe (heads: ...): train it with `selfspec train heads --config {path}`"
+        )
+    return from_dict(RecipeConfig, data, where=Path(path).name)
+
+
+def load_joint_recipe(path: str | Path, overrides: dict | None = None) -> JointConfig:
+    """Read a joint YAML recipe (`selfspec train heads`); a single head's recipe is an error here."""
+    data = _read_recipe(path, overrides)
+    if "heads" not in data:
+        drafter = data.get("drafter", "medusa")
+        raise SelfspecError(
+            f"{path} is a '{drafter}' recipe, not a joint one (no `heads:` list): train it with "
+            f"`selfspec train {drafter} --config {path}`"
+        )
+    return from_dict(JointConfig, data, where=Path(path).name)
+
+
+def tiny_scale(config: RecipeConfig | JointConfig) -> RecipeConfig | JointConfig:
     """The same recipe shrunk to a smoke run of minutes on a CPU (`selfspec train --tiny`): a few conversations,
     short sequences and replies, a handful of steps, one held-out prompt. Model-dependent sizes (layers, draft
     vocabulary) stay as they are. Outputs go beside the real ones with a `-tiny` suffix, so a smoke run never

@@ -100,11 +100,16 @@ def train_eagle_family(
 ) -> dict:
     """The `eagle` and `eagle3` recipes: data, a fresh head over the sample's draft vocabulary, the trainer."""
     eagle, head_cls, layers = eagle_family(target, config)
-    if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
-        raise SelfspecError(f"{config.drafter}: top_k, depth and max_tree_nodes must be >= 1")
+    check_eagle(config.drafter, eagle)
     data = recipe_data(target, config, layers, timings)
     eagle, head = new_eagle_head(target, eagle, head_cls, data.train.sample)
     return train_and_save(target, config, head, EagleTraining(head, eagle), eagle, data, timings, resume, max_steps)
+
+
+def check_eagle(name: str, eagle: EagleConfig) -> None:
+    """Checked before any data is made."""
+    if min(eagle.top_k, eagle.depth, eagle.max_tree_nodes) < 1:
+        raise SelfspecError(f"{name}: top_k, depth and max_tree_nodes must be >= 1")
 
 
 def eagle_family(target: Target, config: RecipeConfig) -> tuple[EagleConfig, type, tuple[int, ...]]:

@@ -13,10 +13,10 @@ from ..heads.medusa import MedusaConfig, MedusaHeads
 from ..models import Target
 from .config import RecipeConfig
 from .data import load_conversations, tokenize_conversation
-from .labels import label_sequence
+from .labels import LabeledSequence, label_sequence
 from .losses import draft_vocabulary
 from .medusa import MedusaTraining, best_tree, head_accuracies
-from .stages import recipe_data, throughput_report, train_head
+from .stages import RecipeData, recipe_data, summary_entries, train_head
 
 LAYERS = (-1,)
 
@@ -32,23 +32,39 @@ def _with_lora(target: Target, medusa: MedusaConfig):
 
 
 def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: int | None, timings: dict) -> dict:
-    medusa = config.medusa
-    if medusa.num_heads < 1 or medusa.num_layers < 1 or medusa.max_rank < 1 or medusa.max_tree_nodes < 2:
-        raise SelfspecError("medusa: num_heads, num_layers, max_rank must be >= 1 and max_tree_nodes >= 2")
+    medusa = check_medusa(config.medusa)
     data = recipe_data(target, config, LAYERS, timings, label_calibration=True)
-    train_data, calibration = data.train, data.calibration
-
-    draft_vocab = draft_vocabulary(train_data.sample, medusa.draft_vocab_size, target.vocab_size)
-    heads = MedusaHeads(medusa, target, draft_vocab).float().to(target.device)  # where the labels are
+    heads = new_medusa_heads(target, medusa, data.train.sample)
     base = None
     if medusa.lora is not None:
         base = _with_lora(target, medusa)  # only the adapters train; the original labels were recorded before this
     module = MedusaTraining(heads, medusa.head_decay, base=base, lora=medusa.lora)
-
     summary = train_head(module, data, config, resume, max_steps, timings)
+    report = save_medusa(target, config, heads, data, summary, base)
+    if base is not None:
+        base.unload()  # give the target back its original layers (the adapter is saved with the heads)
+    return report
 
+
+def check_medusa(medusa: MedusaConfig) -> MedusaConfig:
+    """Checked before any data is made."""
+    if medusa.num_heads < 1 or medusa.num_layers < 1 or medusa.max_rank < 1 or medusa.max_tree_nodes < 2:
+        raise SelfspecError("medusa: num_heads, num_layers, max_rank must be >= 1 and max_tree_nodes >= 2")
+    return medusa
+
+
+def new_medusa_heads(target: Target, medusa: MedusaConfig, sequences: list[LabeledSequence]) -> MedusaHeads:
+    """Untrained fp32 heads whose draft vocabulary is the most frequent tokens of `sequences`."""
+    draft_vocab = draft_vocabulary(sequences, medusa.draft_vocab_size, target.vocab_size)
+    return MedusaHeads(medusa, target, draft_vocab).float().to(target.device)  # where the labels are
+
+
+def save_medusa(target: Target, config: RecipeConfig, heads: MedusaHeads, data: RecipeData, summary, base=None) -> dict:
+    """The tree from the trained heads' top-k accuracies on the labelled calibration sequences, then the heads
+    directory (with the LoRA adapter of `base`, Medusa-2) -> the report's training part."""
+    medusa = config.medusa
     heads.eval()
-    accuracies = head_accuracies(heads, calibration, medusa.max_rank)
+    accuracies = head_accuracies(heads, data.calibration, medusa.max_rank)
     paths, values = best_tree(accuracies, medusa.max_tree_nodes)
     extra = {
         "tree": {"paths": [list(p) for p in paths], "values": [round(v, 5) for v in values]},
@@ -63,8 +79,7 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         extra,
         write_adapter=(lambda directory: base.save_pretrained(str(directory))) if base is not None else None,
     )
-    if base is not None:
-        base.unload()  # give the target back its original layers (the adapter is saved with the heads)
+    train_data = data.train
     return {
         "drafter": "medusa",
         "variant": "medusa-2 (LoRA)" if medusa.lora else "medusa-1 (frozen base)",
@@ -72,16 +87,11 @@ def train_medusa(target: Target, config: RecipeConfig, resume: bool, max_steps: 
         "training_tokens": sum(len(s.input_ids) for s in train_data.sample)
         if config.labels.storage == "cache"
         else None,
-        "calibration_sequences": len(calibration),
+        "calibration_sequences": len(data.calibration),
         "data_mix": data.mix,
-        "draft_vocab_size": len(draft_vocab),
-        "steps": summary.steps,
-        "resumed_from": summary.resumed_from,
-        "final_loss": round(summary.final_loss, 4),
-        "final_metrics": {k: round(v, 4) for k, v in summary.final_metrics.items()},
-        "first_draft_accuracy": summary.first_draft_accuracy and round(summary.first_draft_accuracy, 4),
+        "draft_vocab_size": len(heads.draft_vocab),
         "top_k_accuracy": extra["accuracies"],
-        "throughput": throughput_report(target, config, data, summary),
+        **summary_entries(target, config, data, summary),
     }
 
 

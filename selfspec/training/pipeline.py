@@ -81,6 +81,12 @@ def run_recipe(config: RecipeConfig, resume: bool = False, max_steps: int | None
     start = running_time()
     target = load_target(config.model)
     report = recipe(target, config, resume, max_steps, timings)
+    return finish_report(config, report, timings, start)
+
+
+def finish_report(config: RecipeConfig, report: dict, timings: dict, start: float) -> dict:
+    """A trained head's last stage: the held-out evaluation, the timings (`start`: running_time() when the run
+    began) and the recipe added to `report`, which is written beside the weights and returned."""
     began = running_time()
     report["heldout"] = evaluate_heldout(Path(config.out), config.drafter, config)
     timings["heldout_eval_s"] = round(running_time() - began, 1)

@@ -379,6 +379,11 @@ def train_and_save(
     """The last stages of a recipe whose head is all it saves (EAGLE, DFlash): train `module` (which holds `head`),
     write the heads directory, and return the report's training part (`report` adds drafter-specific entries)."""
     summary = train_head(module, data, config, resume, max_steps, timings)
+    return save_trained_head(target, config, head, head_config, data, summary, **report)
+
+
+def save_trained_head(target: Target, config: RecipeConfig, head, head_config, data: RecipeData, summary, **report):
+    """Write `head` (trained, as `summary` says) to config.out -> the report's training part."""
     save_head(Path(config.out), config.drafter, head_config, head.state_dict(), target.fingerprint, {})
     return {
         "drafter": config.drafter,
@@ -387,6 +392,13 @@ def train_and_save(
         "data_mix": data.mix,
         **report,
         "draft_vocab_size": len(head.draft_vocab),
+        **summary_entries(target, config, data, summary),
+    }
+
+
+def summary_entries(target: Target, config: RecipeConfig, data: RecipeData, summary) -> dict:
+    """The report's entries on the training run itself: steps, final loss and metrics, throughput."""
+    return {
         "steps": summary.steps,
         "resumed_from": summary.resumed_from,
         "final_loss": round(summary.final_loss, 4),

@@ -81,7 +81,7 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(schedule, steps))
         module, optimizer, scheduler = accelerator.prepare(EagleTraining(head, eagle).train(), optimizer, scheduler)
         runs.append(
-            {"arm": arm, "step": (module, optimizer, scheduler, accelerator, trainable), "seconds": 0.0, "losses": []}
+            {"arm": arm, "step": (module, optimizer, scheduler, accelerator, [trainable]), "seconds": 0.0, "losses": []}
         )
     positions = 0
     for step in tqdm(range(steps), desc=f"sweep ({len(arms)} arms)", unit="step"):
@@ -91,8 +91,8 @@ def sweep(target: Target, config: RecipeConfig, arms: list[Arm], steps: int, cal
         for run in runs:
             began = running_time()
             torch.manual_seed(config.train.seed * 1_000_003 + step)  # the same feature noise for every arm
-            module, optimizer, scheduler, accelerator, trainable = run["step"]
-            loss, _ = train_step(module, batch, optimizer, scheduler, accelerator, trainable, config.train.grad_clip)
+            module, optimizer, scheduler, accelerator, clip_groups = run["step"]
+            loss, _ = train_step(module, batch, optimizer, scheduler, accelerator, clip_groups, config.train.grad_clip)
             run["losses"].append(loss)
             run["seconds"] += running_time() - began
     calibration = _calibration_batches(target, data, config, calibration_sequences)

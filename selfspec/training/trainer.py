@@ -2,8 +2,10 @@
 
 A head trains through `TrainableHead.training_loss(batch) -> (loss, metrics)`; the loop owns batching, the seeded
 data order, AdamW with warm-up + cosine decay, gradient clipping, accelerate (fp32 on CPU, bf16 autocast on GPU,
-several GPUs with no code change), the progress bar (loss, first-draft accuracy, token positions per second, ETA),
-checkpoints by steps and by time, and `--resume`, after which the run continues exactly as if it had not stopped.
+several GPUs with no code change), a parameter group per part of a head (each its own learning rate and gradient
+clipping), an optional time budget (budget.py), the progress bar (loss, first-draft accuracy, token positions per
+second, ETA), checkpoints by steps and by time, and `--resume`, after which the run continues exactly as if it had
+not stopped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import SelfspecError
+from .budget import StepBudget
 from .checkpoints import (
     CheckpointClock,
     RunProgress,
@@ -31,6 +34,15 @@ from .checkpoints import (
 from .clock import running_time
 from .config import TrainConfig
 from .labels import LabeledSequence
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters that share a learning rate and a gradient-norm clip (an AdamW parameter group)."""
+
+    name: str
+    params: list[torch.nn.Parameter]
+    lr: float | None = None  # None: train.lr
 
 
 @dataclass
@@ -51,6 +63,11 @@ class TrainableHead(torch.nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def training_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """-> (the loss to minimise, metrics for the progress bar); every head's training module defines it."""
+
+    def optimizer_groups(self) -> list[ParamGroup]:
+        """The trainable parameters as groups, each with its own learning rate and its own gradient clipping (so one
+        part's spike does not throttle the others); by default one group at train.lr."""
+        return [ParamGroup("head", [p for p in self.parameters() if p.requires_grad])]
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         # The trainer calls the (possibly DDP-wrapped) module, so gradients synchronise across processes.
@@ -150,20 +167,26 @@ def train(
     branch that already has checkpoints of its own continues from them."""
     if sequence_count == 0:
         raise SelfspecError("no training sequences: check the data source and max_length")
-    total_steps = max_steps or config.max_steps
+    started, total_steps = running_time(), max_steps or config.max_steps
     clock = CheckpointClock(config, total_steps)
     torch.manual_seed(config.seed)
     on_gpu, accelerator = head_accelerator(head)
-    trainable = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(config, total_steps))
+    groups = head.optimizer_groups()
+    optimizer, scheduler = _optimizer(groups, config, total_steps)
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
     settings = run_settings(config, sequence_count)
+    if len(groups) > 1:  # a resumed run must give each part the learning rate it had
+        settings["groups"] = {group.name: group.lr for group in groups}
     if not resume and accelerator.is_main_process and (previous := set_aside(checkpoint_dir)):
         tqdm.write(f"starting fresh (no --resume): the earlier run's checkpoints moved to {previous}")
     progress = _start_or_resume(
         checkpoint_dir, resume, accelerator.unwrap_model(head), optimizer, scheduler, settings, branch_from
     )
+    if progress.planned_steps:  # a time budget fixed this run's length before it stopped: follow that plan
+        planned = min(total_steps, progress.planned_steps)
+        total_steps = clock.total_steps = _follow_schedule(scheduler, optimizer, config, planned)
+    minutes = None if progress.planned_steps else config.time_budget_minutes
+    budget = StepBudget(minutes, total_steps, started, progress.step)
     fetch = get_batch or (lambda indices: [get_sequence(index) for index in indices])
     first_metric = accelerator.unwrap_model(head).first_draft_metric
     resumed_from, seconds_before = progress.step, progress.seconds
@@ -177,8 +200,8 @@ def train(
         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}",
     )
     with bar:
-        for step in range(progress.step, total_steps):
-            began = running_time()
+        while progress.step < total_steps:
+            step, began = progress.step, running_time()
             indices = batch_order(sequence_count, config.batch_size, config.seed, step)
             # Several processes (GPUs) split each batch; one process takes all of it.
             indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
@@ -192,13 +215,17 @@ def train(
                 optimizer,
                 scheduler,
                 accelerator,
-                trainable,
+                [group.params for group in groups],
                 config.grad_clip,
             )
             progress.window_loss = (progress.window_loss + [loss])[-config.log_every :]
             progress.tokens += _count_tokens(sequences, accelerator)
             progress.step, progress.seconds = step + 1, progress.seconds + running_time() - began
             progress.fetch_seconds += fetched - began
+            if (planned := budget.plan(progress.step, running_time())) is not None:
+                progress.planned_steps = planned
+                total_steps = clock.total_steps = bar.total = _follow_schedule(scheduler, optimizer, config, planned)
+                tqdm.write(budget.describe())
             if progress.step % config.log_every == 0 or progress.step == total_steps:
                 since = (progress.step - resumed_from, progress.seconds - seconds_before)
                 bar.set_postfix(_postfix(progress, first_metric, total_steps, since), refresh=False)
@@ -216,6 +243,31 @@ def train(
                 clock.saved()
     head.eval()
     return _summary(progress, total_steps, resumed_from, first_metric, accelerator.mixed_precision == "bf16")
+
+
+def _optimizer(groups: list[ParamGroup], config: TrainConfig, total_steps: int):
+    """AdamW with a parameter group per ParamGroup, and the warm-up + decay schedule over `total_steps`."""
+    optimizer = torch.optim.AdamW(
+        [{"params": group.params, "lr": config.lr if group.lr is None else group.lr} for group in groups],
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factors(config, total_steps))
+
+
+def _follow_schedule(scheduler, optimizer, config: TrainConfig, total_steps: int) -> int:
+    """The schedule rebuilt for a run of `total_steps` (fixed by a time budget), from the step it has reached."""
+    lambda_lr = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps it
+    lambda_lr.lr_lambdas = [lr_factors(config, total_steps)] * len(optimizer.param_groups)
+    _apply_schedule(optimizer, scheduler)
+    return total_steps
+
+
+def _apply_schedule(optimizer, scheduler) -> None:
+    """Each group's rate for the next step, from the scheduler's own lambdas at the step it has reached."""
+    lambda_lr = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps it
+    for group, base, factor in zip(optimizer.param_groups, lambda_lr.base_lrs, lambda_lr.lr_lambdas):
+        group["lr"] = base * factor(lambda_lr.last_epoch)
 
 
 def _summary(
@@ -249,9 +301,7 @@ def _start_or_resume(
     progress = load_checkpoint(checkpoint, head, optimizer, scheduler, settings)
     # The next step's rate is this run's schedule's, not the one saved: a branch decays from the step it starts at,
     # and a run resumed with more max_steps follows its longer schedule (with the same schedule they are equal).
-    lambda_lr = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps it
-    for group, base, factor in zip(optimizer.param_groups, lambda_lr.base_lrs, lambda_lr.lr_lambdas):
-        group["lr"] = base * factor(lambda_lr.last_epoch)
+    _apply_schedule(optimizer, scheduler)
     tqdm.write(f"resumed from {checkpoint} (step {progress.step}, {progress.tokens:,} token positions trained)")
     return progress
 
@@ -266,15 +316,17 @@ def head_accelerator(head: torch.nn.Module):
 
 
 def train_step(
-    head, batch: Batch, optimizer, scheduler, accelerator, trainable, grad_clip: float
+    head, batch: Batch, optimizer, scheduler, accelerator, clip_groups: list[list[torch.nn.Parameter]], grad_clip: float
 ) -> tuple[float, dict]:
-    """One optimizer step -> (the loss, the head's metrics). The trainer's and the sweep's arms' step alike."""
+    """One optimizer step -> (the loss, the head's metrics). The trainer's and the sweep's arms' step alike. Each of
+    `clip_groups` (lists of parameters) has its gradient norm clipped to `grad_clip` on its own."""
     with accelerator.autocast():
         loss, metrics = head(batch)
     optimizer.zero_grad(set_to_none=True)
     accelerator.backward(loss)
     if grad_clip > 0:
-        accelerator.clip_grad_norm_(trainable, grad_clip)
+        for params in clip_groups:
+            accelerator.clip_grad_norm_(params, grad_clip)
     optimizer.step()
     scheduler.step()
     return float(loss.detach()), metrics
