@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.device.bundle import CALL_LIMIT, call_bytes, pack, split_into_calls, tree_files
+from selfspec.device.bundle import (
+    CALL_LIMIT,
+    MANIFEST_ROOM,
+    call_bytes,
+    pack,
+    split_into_calls,
+    tree_bytes,
+    tree_files,
+)
 from selfspec.errors import SelfspecError
 from selfspec.models import default_checkpoint_dir, default_gguf_file
 
@@ -69,6 +77,15 @@ def test_the_device_sampling_check_passes_and_catches_broken_sampling(monkeypatc
     )
     with pytest.raises(RuntimeError, match="sampling check failed"):
         sampling_check(240)
+
+
+def test_the_tree_leaves_room_for_the_real_payload_in_four_transfer_calls():
+    """Everything tracked travels on every call: a large file added to the tree (a float32 head) costs a call for
+    each 28 MiB. The real payload: the model's GGUF in a tar, ShareGPT in xz -9 (17.0 MiB, measured by
+    scripts/device_pack.py on 2026-11-27), the gguf package (0.1 MiB)."""
+    payload = default_gguf().stat().st_size + 17.1 * 2**20 + 0.2 * 2**20
+    room = CALL_LIMIT - tree_bytes(REPO) - MANIFEST_ROOM
+    assert payload / room <= 4, f"the tree ({tree_bytes(REPO) / 2**20:.1f} MiB) leaves {room / 2**20:.1f} MiB a call"
 
 
 def _device_copy(destination: Path) -> None:

