@@ -122,12 +122,12 @@ def test_the_device_program_rehearsed_in_an_empty_directory(tmp_path, fake_share
         shutil.copytree(bundle / call["name"], device / ".device" / call["name"])
         out = tmp_path / f"out-{call['name']}"
         done = subprocess.run(
-            [sys.executable, "scripts/device_call.py", call["name"], "--out", str(out), "--budget", "1500", "--tiny"],
+            [sys.executable, "scripts/device_call.py", call["name"], "--out", str(out), "--budget", "3000", "--tiny"],
             cwd=device,
             env=env,
             capture_output=True,
             text=True,
-            timeout=1700,
+            timeout=3200,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         back = _check_back(out)
