@@ -176,6 +176,7 @@ def target_cost_curve(target: Target) -> CostCurve:
     """The curve drafters size their trees by: this device, model and execution path. With no stored profile, a short
     one is measured now (a few seconds) and stored, so a curve from another machine never sizes the trees here;
     SELFSPEC_AUTO_PROFILE=0 keeps the built-in estimate instead."""
+    target.execution.prepare()  # the path's name is settled here (a compiled path may run `fast` for now)
     key = (target.device, target.cost_key, target.execution.name, target.dtype)
     curve = load_cost_curve(*key)
     if not curve.source.startswith("builtin") or os.environ.get("SELFSPEC_AUTO_PROFILE", "1") == "0":
