@@ -123,8 +123,11 @@ def _profile(args) -> None:
     target.execution.recalibrate = args.recalibrate  # measured as the path settles, stored, then read by the others
     target.execution.prepare()
     paths = {"stock": ExecutionPath(target.model, "stock")}
-    if has_fast:
-        paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
+    if has_fast and target.execution.name == "fast":
+        paths["fast"] = target.execution
+    elif has_fast:
+        paths["fast"] = ExecutionPath(target.model, "fast")
+        paths["fast"].recalibrate = args.recalibrate and target.execution.name == "stock"  # else measured above
     if target.execution.name == "compiled":
         paths["compiled"] = target.execution
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
