@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from selfspec import SelfSpec, SelfspecError
+from selfspec.cli import main
 from selfspec.execution import COMPILE_ENV, CompiledStep, CpuCapabilities, ExecutionPath, RowDispatch
 from selfspec.execution import background as background_module
 
@@ -103,3 +104,11 @@ def test_a_bad_request_starts_no_build(tmp_path, monkeypatch, tiny_checkpoint):
     with pytest.raises(SelfspecError, match="no room"):
         spec.generate(prompt=" ".join(["cat"] * 300))
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("extra", [["--dtype", "bfloat16"], ["--device", "cuda"], ["--model", "/no/such/model"]])
+def test_the_compile_command_refuses_what_it_cannot_build_in_one_line(extra, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    assert main(["compile", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("selfspec: error:") and err.count("\n") == 1 and not any(tmp_path.iterdir())

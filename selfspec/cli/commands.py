@@ -185,6 +185,8 @@ def _compile(args) -> None:
     from ..execution.background import LOG_FILE, build_locked, compiling_elsewhere
     from ..models import load_target
 
+    if args.device not in (None, "cpu") or args.dtype not in (None, "float32"):  # before the model loads
+        raise SelfspecError("selfspec compile builds the compiled path's graphs, which are for float32 on a CPU")
     if args.background:
         os.nice(19)  # the CPU goes to decoding first
     if args.threads:
