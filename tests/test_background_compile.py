@@ -5,6 +5,7 @@ process is faked (test_compiled switches to real graphs between requests)."""
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import replace
 
@@ -112,3 +113,22 @@ def test_the_compile_command_refuses_what_it_cannot_build_in_one_line(extra, cap
     assert main(["compile", *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("selfspec: error:") and err.count("\n") == 1 and not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no autogroup on this kernel")
+def test_a_background_build_yields_even_in_a_session_of_its_own():
+    """Where sessions are scheduled as groups, nice alone ranks a build only inside its own session's group."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a session of its own, as a spawned build has
+        try:
+            os.setsid()
+            background_module.lowest_priority()
+            with open("/proc/self/autogroup") as handle:
+                os.write(write, f"{os.getpriority(os.PRIO_PROCESS, 0)} {handle.read().split()[-1]}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    reported = os.read(read, 100).decode().split()
+    os.waitpid(pid, 0)
+    assert reported == ["19", "19"]

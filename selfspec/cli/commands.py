@@ -176,19 +176,17 @@ def _profile(args) -> None:
 def _compile(args) -> None:
     """Build this machine's compiled graphs ahead (an image, a CI cache, a benchmark), with a progress bar; with
     --background (as a request starts it: execution/background.py) at the lowest priority, logging to the log."""
-    import os
-
     import torch
 
     from ..cost import target_cost_curve
     from ..errors import SelfspecError, first_line
-    from ..execution.background import LOG_FILE, build_locked, compiling_elsewhere
+    from ..execution.background import LOG_FILE, build_locked, compiling_elsewhere, lowest_priority
     from ..models import load_target
 
     if args.device not in (None, "cpu") or args.dtype not in (None, "float32"):  # before the model loads
         raise SelfspecError("selfspec compile builds the compiled path's graphs, which are for float32 on a CPU")
     if args.background:
-        os.nice(19)  # the CPU goes to decoding first
+        lowest_priority()  # the CPU goes to decoding first
     if args.threads:
         torch.set_num_threads(args.threads)  # the requesting process's count: part of the packages' key
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels="compiled")
