@@ -31,7 +31,7 @@ def pending(tmp_path, monkeypatch):
 
     def popen(command, **kwargs):
         started.append((command, kwargs))
-        return types.SimpleNamespace(pid=4242)
+        return types.SimpleNamespace(pid=os.getpid())  # a live process, as the build is while it runs
 
     monkeypatch.setattr(background_module.subprocess, "Popen", popen)
     model = make_tiny_target("llama").model
@@ -49,9 +49,12 @@ def test_a_pending_path_runs_fast_and_starts_one_detached_build(pending, capsys)
     assert "--background" in command and command[command.index("--threads") + 1].isdigit()
     assert options["start_new_session"] and options["close_fds"]
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "built in the background (pid 4242" in err[0]
+    assert len(err) == 1 and f"built in the background (pid {os.getpid()}" in err[0]
     path.between_requests()
     assert len(started) == 1 and capsys.readouterr().err == ""  # once per process, said once
+    # Another process, before the build has taken its lock: the build it started is alive, so no second one.
+    ExecutionPath(path.model, "auto", "tiny", capabilities=COMPILES, source="/models/tiny").between_requests()
+    assert len(started) == 1 and "another process is compiling" in capsys.readouterr().err
 
 
 def test_no_second_build_where_one_runs_or_one_failed(pending, capsys):

@@ -7,8 +7,9 @@ must not wait for it. So under `auto` a process whose graphs are not stored deco
 long-lived process (chat, the demo, bench, one `SelfSpec`) takes the compiled path between two requests once the
 packages are stored (ExecutionPath.switch_if_ready); any later process loads them at once.
 
-Beside the packages: `compile.lock`, held (flock) by whichever process compiles, so two never build one package and
-a second process does not start another build; `compile-failed.txt`, the reason a build failed, so later processes
+Beside the packages: `compile.lock`, held (flock) by whichever process compiles, so two never build one package, and
+`compile.pid`, the build a request started (alive, it counts as building before its model has loaded and it takes the
+lock), so a second process does not start another build; `compile-failed.txt`, the reason a build failed, so later processes
 stay on the fast path instead of failing again every time (`selfspec compile` tries again and clears it).
 """
 
@@ -29,6 +30,7 @@ from ..errors import first_line
 from ..files import atomic_write_text
 
 LOCK_FILE, LOG_FILE, FAILED_FILE = "compile.lock", "compile.log", "compile-failed.txt"
+PID_FILE = "compile.pid"  # the build a request started: it holds no lock until its model has loaded
 STAGES = ("export", "compile")  # a graph's stages as compiled.compile_step reports them
 
 try:
@@ -57,11 +59,17 @@ def compile_lock(directory: Path, wait: bool) -> Iterator[bool]:
 
 
 def compiling_elsewhere(directory: Path) -> bool:
-    """Whether another process holds the compile lock of `directory` now."""
-    if not (directory / LOCK_FILE).is_file():
+    """Whether another process builds `directory` now: it holds the compile lock, or a request started it and it is
+    still alive (it takes the lock only once its model has loaded: seconds to minutes on a busy machine)."""
+    if (directory / LOCK_FILE).is_file():
+        with compile_lock(directory, wait=False) as taken:
+            if not taken:
+                return True
+    try:
+        os.kill(int((directory / PID_FILE).read_text()), 0)
+    except (OSError, ValueError):  # no such file or process (it ended), or no right to signal it: not ours
         return False
-    with compile_lock(directory, wait=False) as taken:
-        return not taken
+    return True
 
 
 def recorded_failure(directory: Path) -> str | None:
@@ -136,6 +144,7 @@ class BackgroundBuild:
         if source is None:
             return "selfspec: the fast path runs (graphs not compiled yet: `selfspec compile --model ...` builds them)"
         self.process = spawn_compile(source, threads, self.directory)
+        atomic_write_text(self.directory / PID_FILE, f"{self.process.pid}\n")
         return (
             "selfspec: the fast path runs now; this machine's compiled graphs are being built in the background "
             f"(pid {self.process.pid}, log: {self.directory / LOG_FILE}); later requests and runs use them"
