@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .cost import target_cost_curve
+from .cost import current_cost_curve
 from .decoding import GenerationResult, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
@@ -101,9 +101,12 @@ class SelfSpec:
         request (execution.ExecutionPath.between_requests), and the drafter then sizes its trees by that path's
         curve."""
         self.target.execution.between_requests()
-        if self._drafter is not None and self._curve_path != self.target.execution.name:
-            self._drafter.cost_curve = target_cost_curve(self.target)
-            self._curve_path = self.target.execution.name
+        drafter, path = self._drafter, self.target.execution.name
+        if drafter is not None and (self._curve_path != path or drafter.cost_curve.source.startswith("builtin")):
+            curve = current_cost_curve(self.target)  # the build's stored curve once there, the estimate till then
+            if curve.source != drafter.cost_curve.source:
+                drafter.cost_curve = curve
+            self._curve_path = path
 
     def generate(
         self,

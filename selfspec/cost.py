@@ -191,6 +191,13 @@ def target_cost_curve(target: Target) -> CostCurve:
     return load_cost_curve(*key)
 
 
+def current_cost_curve(target: Target) -> CostCurve:
+    """The curve stored for the target's path as it is now, else that path's built-in estimate, never measured: for a
+    path that took over between requests (the compiled one, whose background build stores its curve once built), where
+    measuring would keep the next request waiting."""
+    return load_cost_curve(target.device, target.cost_key, target.execution.name, target.dtype)
+
+
 def monotone_fit(values: list[float]) -> list[float]:
     """The closest non-decreasing sequence in least squares (pool adjacent violators): timing noise can make a
     larger size look cheaper, which would send the tree budget chasing a measurement artefact."""

@@ -277,6 +277,7 @@ def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_targe
     target, _, _ = compiled_target
     built = target.execution.compiled.directory
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # nothing stored here
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")  # the first drafter measures the fast path's curve
     monkeypatch.delenv(COMPILE_ENV)
     monkeypatch.setattr("selfspec.execution.selection.AUTO_MIN_WEIGHTS", 0)
     monkeypatch.setattr(background_module, "spawn_compile", lambda *args: types.SimpleNamespace(pid=1))
@@ -296,8 +297,14 @@ def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_targe
     first = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40, on_step=graphs_arrive)
     assert first.stats.kernels == "fast" and calls == [] and refused and not any(refused)
     assert auto.execution.name == "fast" and "built in the background" in capsys.readouterr().err
+    assert spec.drafter.cost_curve.source.endswith("--fast.json")  # measured on the path it ran
+    monkeypatch.setattr(
+        "selfspec.cost.measure_forward_times", lambda *args, **kwargs: pytest.fail("measured while a request waits")
+    )
     second = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40)
     assert second.stats.kernels == "compiled" and calls and auto.execution.name == "compiled"
+    # Until the build's stored curve is there, the compiled path's estimate sizes the trees.
+    assert spec.drafter.cost_curve.source == "builtin (cpu-compiled)"
     assert capsys.readouterr().err.count("switching to the compiled path") == 1
     reference = hf_greedy(target, LONG_PROMPT, 40, eos=-1)
     assert list(first.token_ids) == reference and list(second.token_ids) == reference

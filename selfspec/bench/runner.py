@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..cost import target_cost_curve
+from ..cost import current_cost_curve
 from ..decoding import speculative_generate
 from ..heads import create_drafter, parse_drafter_options
 from ..heads.artifacts import heads_kind
@@ -114,7 +114,7 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
         if curve_path[0] != drafter.target.execution.name:  # the compiled path took over between prompts
-            drafter.cost_curve, curve_path[0] = target_cost_curve(drafter.target), drafter.target.execution.name
+            drafter.cost_curve, curve_path[0] = current_cost_curve(drafter.target), drafter.target.execution.name
         before = drafter.stats()
         # Verified on the drafter's target: Medusa-2 heads draft for (and decode) an adapted copy of the shared one.
         tokens, stats = speculative_generate(

@@ -9,8 +9,8 @@ packages are stored (ExecutionPath.switch_if_ready); any later process loads the
 
 Beside the packages: `compile.lock`, held (flock) by whichever process compiles, so two never build one package, and
 `compile.pid`, the build a request started (alive, it counts as building before its model has loaded and it takes the
-lock), so a second process does not start another build; `compile-failed.txt`, the reason a build failed, so later processes
-stay on the fast path instead of failing again every time (`selfspec compile` tries again and clears it).
+lock), so a second process does not start another build; `compile-failed.txt`, the reason a build failed, so later
+processes stay on the fast path instead of failing again every time (`selfspec compile` tries again and clears it).
 """
 
 from __future__ import annotations
