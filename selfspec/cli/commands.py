@@ -101,25 +101,17 @@ def _demo(args) -> None:
     serve(server, state)
 
 
-def _profile(args) -> None:
-    import json
-
-    import torch
-
-    from ..cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
+def _profile_paths(target, args) -> dict:
+    """The paths `profile` measures, settled first (profiling starts no background build: a compiled path whose
+    graphs are not stored runs `fast`)."""
     from ..errors import SelfspecError
     from ..execution import ExecutionPath, fast_path_available
-    from ..models import load_target
 
-    if args.recalibrate and args.kernels == "stock":
-        raise SelfspecError("--recalibrate measures the fast path's row split, which --kernels stock never uses")
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     has_fast = fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock"
     if args.recalibrate and not has_fast:
         raise SelfspecError(
             "--recalibrate: this device and dtype have no fast path (stock kernels only), so no row split to measure"
         )
-    # Settled first (profiling starts no background build): a compiled path whose graphs are not stored runs `fast`.
     target.execution.recalibrate = args.recalibrate  # measured as the path settles, stored, then read by the others
     target.execution.prepare()
     paths = {"stock": ExecutionPath(target.model, "stock")}
@@ -130,6 +122,22 @@ def _profile(args) -> None:
         paths["fast"].recalibrate = args.recalibrate and target.execution.name == "stock"  # else measured above
     if target.execution.name == "compiled":
         paths["compiled"] = target.execution
+    return paths
+
+
+def _profile(args) -> None:
+    import json
+
+    import torch
+
+    from ..cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
+    from ..errors import SelfspecError
+    from ..models import load_target
+
+    if args.recalibrate and args.kernels == "stock":
+        raise SelfspecError("--recalibrate measures the fast path's row split, which --kernels stock never uses")
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    paths = _profile_paths(target, args)
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     stored = {
         name: save_cost_curve(curve_from_times(times[name]), target.device, target.cost_key, name, target.dtype)
