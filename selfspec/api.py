@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from .cost import current_cost_curve
 from .decoding import GenerationResult, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
@@ -84,13 +85,28 @@ class SelfSpec:
         )
         self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
         self._drafter: Drafter | None = None
+        self._curve_path = ""  # the execution path the drafter's cost curve was made for
         self.pacing = Pacing()  # the drafter's pacing record across requests (selfspec.pacing), held beside it
 
     @property
     def drafter(self) -> Drafter:
         if self._drafter is None:
             self._drafter = create_drafter(self._drafter_spec, self.target, self._heads, **self._drafter_options)
+            self._curve_path = self.target.execution.name  # settled by the curve's reading (cost.target_cost_curve)
         return self._drafter
+
+    def between_requests(self) -> None:
+        """Before a request (generate calls it once the request is checked; chat calls it before the first prompt, so a
+        background build begins while the user types): the path may take its compiled graphs now, never during a
+        request (execution.ExecutionPath.between_requests), and the drafter then sizes its trees by that path's
+        curve."""
+        self.target.execution.between_requests()
+        drafter, path = self._drafter, self.target.execution.name
+        if drafter is not None and (self._curve_path != path or drafter.cost_curve.source.startswith("builtin")):
+            curve = current_cost_curve(self.target)  # the build's stored curve once there, the estimate till then
+            if curve.source != drafter.cost_curve.source:
+                drafter.cost_curve = curve
+            self._curve_path = path
 
     def generate(
         self,
@@ -120,7 +136,8 @@ class SelfSpec:
             input_ids = self.target.encode_prompt(prompt, chat=chat)
         input_ids = validate_request(
             self.target, input_ids, max_new_tokens, seed
-        )  # before any first-use work (`drafter`)
+        )  # before any first-use work (`drafter`, the path's packing, calibration and compiling)
+        self.between_requests()
         sinks = ([TextStream(self.target, stream)] if stream is not None else []) + (
             [on_step] if on_step is not None else []
         )

@@ -89,7 +89,7 @@ class BurstPainter:
 def status_line(drafter_name: str, stats, sources: dict[str, int] | None) -> str:
     line = (
         f"[{drafter_name} | {stats.tokens_per_s:.1f} tok/s | tau {stats.mean_accepted_length:.2f} | "
-        f"{stats.new_tokens} tokens"
+        f"{stats.new_tokens} tokens" + (f" | {stats.kernels} path" if stats.kernels else "")
     )
     if sources:
         line += " | accepted: " + " ".join(f"{name}={count}" for name, count in sources.items())
@@ -114,6 +114,7 @@ def run_chat(
     end of input. `interactive`: prompts and the status line on `stdout` (a terminal); otherwise status on `stderr`."""
     conversation = Conversation(spec.target, max_new_tokens, system)
     status_out = stdout if interactive else stderr
+    spec.between_requests()  # a background compile, if one is due, runs while the user types
     drafter = spec.drafter
     if interactive:
         stdout.write(

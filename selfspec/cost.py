@@ -176,6 +176,7 @@ def target_cost_curve(target: Target) -> CostCurve:
     """The curve drafters size their trees by: this device, model and execution path. With no stored profile, a short
     one is measured now (a few seconds) and stored, so a curve from another machine never sizes the trees here;
     SELFSPEC_AUTO_PROFILE=0 keeps the built-in estimate instead."""
+    target.execution.prepare()  # the path's name is settled here (a compiled path may run `fast` for now)
     key = (target.device, target.cost_key, target.execution.name, target.dtype)
     curve = load_cost_curve(*key)
     if not curve.source.startswith("builtin") or os.environ.get("SELFSPEC_AUTO_PROFILE", "1") == "0":
@@ -188,6 +189,13 @@ def target_cost_curve(target: Target) -> CostCurve:
     times = measure_forward_times(target, {"path": target.execution}, cache_length=256, repeats=3, sizes=QUICK_SIZES)
     save_cost_curve(curve_from_times(times["path"], QUICK_SIZES), *key)
     return load_cost_curve(*key)
+
+
+def current_cost_curve(target: Target) -> CostCurve:
+    """The curve stored for the target's path as it is now, else that path's built-in estimate, never measured: for a
+    path that took over between requests (the compiled one, whose background build stores its curve once built), where
+    measuring would keep the next request waiting."""
+    return load_cost_curve(target.device, target.cost_key, target.execution.name, target.dtype)
 
 
 def monotone_fit(values: list[float]) -> list[float]:

@@ -32,6 +32,7 @@ class GenerationStats:
     paused_steps: int = 0  # steps the loop did not ask the drafter for a tree, its drafting not paying (DraftPacer)
     draft_s: float = 0.0  # the drafter's share of the steps: its proposals and its bookkeeping of the results
     verify_s: float = 0.0  # the target's tree forwards and their verification (the rest: prefill, the loop itself)
+    kernels: str = ""  # the execution path the whole generation ran on (stock, fast or compiled)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -124,6 +125,7 @@ def speculative_generate(
     pacer = DraftPacer(drafter.cost_curve, pacing, enabled=pace and not paces_itself(drafter))
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
+        kernels = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
         prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None
@@ -194,5 +196,6 @@ def speculative_generate(
         paused_steps=pacer.paused_steps,
         draft_s=draft_s,
         verify_s=verify_s,
+        kernels=kernels,
     )
     return tuple(new_tokens), stats

@@ -73,11 +73,12 @@ class Target:
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
     kernels: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.execution)
+    source: str | None = None  # the model as load_target took it (a background compile loads it again), if it did
 
     @cached_property
     def execution(self) -> ExecutionPath:
         """How the decoding loop runs the model (the stock modules everywhere else)."""
-        return ExecutionPath(self.model, self.kernels, self.name)
+        return ExecutionPath(self.model, self.kernels, self.name, source=self.source)
 
     @property
     def config(self):
@@ -248,7 +249,8 @@ def load_target(
     model.to(device).eval()
     if torch.device(device).type == "cpu":
         _own_memory(model)
-    target = Target(model=model, tokenizer=tokenizer, name=name, kernels=kernels)
+    source = spec if spec == DEFAULT_MODEL or not path.exists() else str(path.resolve())
+    target = Target(model=model, tokenizer=tokenizer, name=name, kernels=kernels, source=source)
     target.execution  # noqa: B018  (checks the kernels choice now, before any generation)
     return target
 

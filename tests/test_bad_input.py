@@ -137,6 +137,7 @@ FIRST_USE_WORK = (
     "selfspec.cost.measure_forward_times",
     "selfspec.execution.calibration.measure_stock_rows",
     "selfspec.execution.compiled.compile_step",
+    "selfspec.execution.background.spawn_compile",
 )
 
 

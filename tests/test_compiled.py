@@ -5,15 +5,20 @@ on 2 cores)."""
 
 from __future__ import annotations
 
+import shutil
+import types
 from dataclasses import replace
 
 import pytest
 import torch
 
+from selfspec import SelfSpec
+from selfspec.cli import main
 from selfspec.cost import load_cost_curve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.execution import COMPILE_ENV, CompiledStep, ExecutionPath, compile_support, detect_capabilities
+from selfspec.execution import background as background_module
 from selfspec.execution import compiled as compiled_module
 from selfspec.heads import create_drafter
 from selfspec.models import Target
@@ -46,12 +51,16 @@ def compiled_target(tmp_path_factory):
     cache = tmp_path_factory.mktemp("selfspec-cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("SELFSPEC_CACHE", str(cache))
+
     messages = []
     base = without_eos(make_tiny_target("llama", max_position_embeddings=512))
     target = Target(model=base.model, tokenizer=None, name=base.name, kernels="compiled").with_eos(())
     target.execution.compiled.log = messages.append
+    split = pytest.MonkeyPatch()
+    split.setenv("SELFSPEC_STOCK_ROWS", "8")  # a row split that uses both graphs, so both are built (and kept)
     with torch.inference_mode(), target.execution.active():
         pass
+    split.undo()
     yield target, cache, messages
     patch.undo()
 
@@ -186,7 +195,9 @@ def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family
     for spec in ("none", "ngram"):
         tokens, _ = speculative_generate(target, create_drafter(spec, target), torch.tensor(LONG_PROMPT), 30)
         assert list(tokens) == reference, f"{family} {spec}"
-    assert target.execution.name == "compiled" and target.execution.compiled.runners is not None
+    assert target.execution.name == "compiled" and set(target.execution.compiled.runners) == {"tree"}
+    # The suite's row split (2) sends no step to `few`: it is not built.
+    assert sorted(path.name for path in target.execution.compiled.directory.glob("*.pt2")) == ["tree.pt2"]
 
 
 @pytest.mark.parametrize("family, stock_rows", [("llama", "2"), ("qwen3", "2"), ("llama", "8")])
@@ -246,7 +257,7 @@ def test_choosing_the_compiled_path(monkeypatch, tmp_path):
 
 def test_a_failed_compilation_leaves_the_fast_path_under_auto(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    monkeypatch.delenv(COMPILE_ENV)
+    monkeypatch.setenv(COMPILE_ENV, "wait")  # compiled before the first request, in this process
     monkeypatch.setattr("selfspec.execution.selection.AUTO_MIN_WEIGHTS", 0)
     monkeypatch.setattr(compiled_module, "compile_step", lambda *args: (_ for _ in ()).throw(RuntimeError("no luck")))
     target = make_tiny_target("llama")
@@ -257,3 +268,54 @@ def test_a_failed_compilation_leaves_the_fast_path_under_auto(monkeypatch, tmp_p
     named.compiled.log = lambda message: None
     with pytest.raises(SelfspecError, match="compiling the step failed \\(no luck\\)"), named.active():
         pass
+
+
+def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_target, tmp_path, monkeypatch, capsys):
+    """Under `auto` with nothing stored, request 1 runs on `fast` while the graphs are built; they are stored while it
+    is in flight (copied from the fixture's build, as the background process would store them), and it stays on
+    `fast` to its last token; request 2 runs compiled. Both equal plain greedy decoding."""
+    target, _, _ = compiled_target
+    built = target.execution.compiled.directory
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # nothing stored here
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")  # the first drafter measures the fast path's curve
+    monkeypatch.delenv(COMPILE_ENV)
+    monkeypatch.setattr("selfspec.execution.selection.AUTO_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(background_module, "spawn_compile", lambda *args: types.SimpleNamespace(pid=1))
+    calls = []
+    original = CompiledStep.__call__
+    monkeypatch.setattr(
+        CompiledStep, "__call__", lambda self, ids, *rest: calls.append(ids.shape[1]) or original(self, ids, *rest)
+    )
+    auto = Target(model=target.model, tokenizer=None, name=target.name, kernels="auto", source="tiny").with_eos(())
+    spec = SelfSpec(auto, drafter="ngram")
+    refused = []
+
+    def graphs_arrive(token_ids) -> None:
+        shutil.copytree(built, auto.execution.pending.directory, dirs_exist_ok=True)
+        refused.append(auto.execution.switch_if_ready())
+
+    first = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40, on_step=graphs_arrive)
+    assert first.stats.kernels == "fast" and calls == [] and refused and not any(refused)
+    assert auto.execution.name == "fast" and "built in the background" in capsys.readouterr().err
+    assert spec.drafter.cost_curve.source.endswith("--fast.json")  # measured on the path it ran
+    monkeypatch.setattr(
+        "selfspec.cost.measure_forward_times", lambda *args, **kwargs: pytest.fail("measured while a request waits")
+    )
+    second = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40)
+    assert second.stats.kernels == "compiled" and calls and auto.execution.name == "compiled"
+    # Until the build's stored curve is there, the compiled path's estimate sizes the trees.
+    assert spec.drafter.cost_curve.source == "builtin (cpu-compiled)"
+    assert capsys.readouterr().err.count("switching to the compiled path") == 1
+    reference = hf_greedy(target, LONG_PROMPT, 40, eos=-1)
+    assert list(first.token_ids) == reference and list(second.token_ids) == reference
+
+
+def test_the_compile_command_builds_the_graphs_ahead(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    assert main(["compile", "--model", str(tiny_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "graphs tree (row split at 2)" in out and "building tree" in out and "done in" in out
+    (directory,) = (tmp_path / "compiled").iterdir()
+    assert sorted(path.name for path in directory.glob("*.pt2")) == ["tree.pt2"]
+    assert main(["compile", "--model", str(tiny_checkpoint)]) == 0  # stored: loaded, nothing built
+    assert "all stored already" in capsys.readouterr().out

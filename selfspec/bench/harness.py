@@ -86,7 +86,9 @@ def run_bench(target: Target, request: BenchRequest, settings: BenchSettings) ->
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
-        "kernels": target.execution.name,  # the execution path selfspec's methods ran on (HF generate: stock)
+        # The execution path selfspec's methods ran on (HF generate: stock); "fast then compiled" where the compiled
+        # graphs were built in the background during the run and took over between prompts (each record says).
+        "kernels": " then ".join(dict.fromkeys(r.kernels for r in records if r.kernels)) or target.execution.name,
         "cost_curve": {**curve.to_dict(), "source": curve.source},
         **asdict(settings),
     }

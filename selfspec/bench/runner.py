@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from ..cost import current_cost_curve
 from ..decoding import speculative_generate
 from ..heads import create_drafter, parse_drafter_options
 from ..heads.artifacts import heads_kind
@@ -48,6 +49,7 @@ class MethodOutput:
     accepted_by_source: tuple[tuple[str, int], ...] = ()  # composite drafters (auto): accepted draft tokens per source
     draft_s: float | None = None  # selfspec drafters: GenerationStats' split of the time
     verify_s: float | None = None
+    kernels: str = ""  # selfspec drafters: the execution path the run was on
 
 
 Method = Callable[[torch.Tensor, int, int], MethodOutput]  # (input_ids [1, L], max_new_tokens, seed) -> output
@@ -108,8 +110,11 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
     drafter = create_drafter(drafter_spec, target, heads)
     pacing = Pacing()  # the drafter's record across the prompts, as SelfSpec keeps one
     sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
+    curve_path = [drafter.target.execution.name]  # the path the drafter's cost curve was made for
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
+        if curve_path[0] != drafter.target.execution.name:  # the compiled path took over between prompts
+            drafter.cost_curve, curve_path[0] = current_cost_curve(drafter.target), drafter.target.execution.name
         before = drafter.stats()
         # Verified on the drafter's target: Medusa-2 heads draft for (and decode) an adapted copy of the shared one.
         tokens, stats = speculative_generate(
@@ -124,6 +129,7 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
             by_source,
             stats.draft_s,
             stats.verify_s,
+            stats.kernels,
         )
 
     return run
@@ -207,12 +213,14 @@ def run_benchmark(
     progress: bool = True,
 ) -> list[RunRecord]:
     encoded = [target.encode_prompt(item.text).to(target.device) for item in prompts]  # through the chat template
+    target.execution.between_requests()  # a background build of the compiled graphs starts here if one is due
     for name, method in methods.items():  # warm-up: kernels, allocator, caches
         method(encoded[0], min(8, settings.max_new_tokens), settings.seed)
     records: list[RunRecord] = []
     names = list(methods)
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="run", disable=not progress)
     for index, (item, input_ids) in enumerate(zip(prompts, encoded)):
+        target.execution.between_requests()  # the compiled path takes over between prompts, once it is stored
         for name in names[index % len(names) :] + names[: index % len(names)]:
             bar.set_postfix_str(f"{item.dataset}:{item.id} {name}")
             output, wall, peak = _timed(
@@ -234,6 +242,7 @@ def run_benchmark(
                     accepted_by_source=output.accepted_by_source,
                     draft_s=output.draft_s,
                     verify_s=output.verify_s,
+                    kernels=output.kernels,
                 )
             )
             bar.update()

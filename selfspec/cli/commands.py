@@ -4,6 +4,7 @@ checks, so bad input fails before a model loads."""
 from __future__ import annotations
 
 import sys
+import time
 
 
 def _dtype(name: str | None):
@@ -59,7 +60,7 @@ def _generate(args) -> None:
     contributions = spec.drafter.stats().contributions()
     sources = f" accepted by source: {contributions}" if contributions else ""
     print(
-        f"[selfspec] drafter={spec.drafter.describe()} kernels={spec.target.execution.name} "
+        f"[selfspec] drafter={spec.drafter.describe()} kernels={result.stats.kernels} "
         f"{result.stats.summary()}{sources}",
         file=sys.stderr,
     )
@@ -100,6 +101,30 @@ def _demo(args) -> None:
     serve(server, state)
 
 
+def _profile_paths(target, args) -> dict:
+    """The paths `profile` measures, settled first (profiling starts no background build: a compiled path whose
+    graphs are not stored runs `fast`)."""
+    from ..errors import SelfspecError
+    from ..execution import ExecutionPath, fast_path_available
+
+    has_fast = fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock"
+    if args.recalibrate and not has_fast:
+        raise SelfspecError(
+            "--recalibrate: this device and dtype have no fast path (stock kernels only), so no row split to measure"
+        )
+    target.execution.recalibrate = args.recalibrate  # measured as the path settles, stored, then read by the others
+    target.execution.prepare()
+    paths = {"stock": ExecutionPath(target.model, "stock")}
+    if has_fast and target.execution.name == "fast":
+        paths["fast"] = target.execution
+    elif has_fast:
+        paths["fast"] = ExecutionPath(target.model, "fast")
+        paths["fast"].recalibrate = args.recalibrate and target.execution.name == "stock"  # else measured above
+    if target.execution.name == "compiled":
+        paths["compiled"] = target.execution
+    return paths
+
+
 def _profile(args) -> None:
     import json
 
@@ -107,23 +132,12 @@ def _profile(args) -> None:
 
     from ..cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
     from ..errors import SelfspecError
-    from ..execution import ExecutionPath, fast_path_available
     from ..models import load_target
 
     if args.recalibrate and args.kernels == "stock":
         raise SelfspecError("--recalibrate measures the fast path's row split, which --kernels stock never uses")
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
-    paths = {"stock": ExecutionPath(target.model, "stock")}
-    if fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock":
-        paths["fast"] = target.execution if target.execution.name == "fast" else ExecutionPath(target.model, "fast")
-    if target.execution.name == "compiled":
-        paths["compiled"] = target.execution
-    if args.recalibrate and "fast" in paths:
-        paths["fast"].recalibrate = True  # measured first (paths run in order), stored, then read by `compiled`
-    elif args.recalibrate:
-        raise SelfspecError(
-            "--recalibrate: this device and dtype have no fast path (stock kernels only), so no row split to measure"
-        )
+    paths = _profile_paths(target, args)
     times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     stored = {
         name: save_cost_curve(curve_from_times(times[name]), target.device, target.cost_key, name, target.dtype)
@@ -158,11 +172,57 @@ def _profile(args) -> None:
             f"fast path: linear layers take the stock kernel below {dispatch.stock_rows} rows, the packed one from "
             f"there on ({dispatch.source})"
         )
+    if target.execution.pending is not None:
+        print("compiled path: its graphs are not stored yet (`selfspec compile` builds them, then profile again)")
     if "compiled" in paths:
         small = " / ".join(paths["compiled"].compiled.graph_for(n)[0] for n in (1, 2, 3))
         print(f"compiled path: steps of 1 / 2 / 3 tokens run in its {small} graph (by that split), 4-64 in 'tree'")
     for name, path in stored.items():
         print(f"{name} curve stored in {path}")
+
+
+def _compile(args) -> None:
+    """Build this machine's compiled graphs ahead (an image, a CI cache, a benchmark), with a progress bar; with
+    --background (as a request starts it: execution/background.py) at the lowest priority, logging to the log."""
+    import torch
+
+    from ..cost import target_cost_curve
+    from ..errors import SelfspecError, first_line
+    from ..execution.background import LOG_FILE, build_locked, compiling_elsewhere, lowest_priority
+    from ..models import load_target
+
+    if args.device not in (None, "cpu") or args.dtype not in (None, "float32"):  # before the model loads
+        raise SelfspecError("selfspec compile builds the compiled path's graphs, which are for float32 on a CPU")
+    if args.background:
+        lowest_priority()  # the CPU goes to decoding first
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the requesting process's count: part of the packages' key
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels="compiled")
+    step, began = target.execution.compiled, time.perf_counter()
+    split = target.execution.row_split().stock_rows  # decides the graphs this machine uses
+    kinds = step.missing()
+    print(
+        f"selfspec compile: graphs {', '.join(step.graphs_needed())} (row split at {split}) in {step.directory}"
+        + (f"; building {', '.join(kinds)}" if kinds else "; all stored already"),
+        flush=True,
+    )
+    if kinds and compiling_elsewhere(step.directory) and not args.background:
+        print(f"selfspec compile: waiting for the build another process runs ({step.directory / LOG_FILE})", flush=True)
+    step.log = print if args.background else (lambda message: None)  # the bar says it on a terminal
+    try:
+        built = build_locked(step, wait=not args.background, show_progress=not args.background)
+    except Exception as error:  # noqa: BLE001  (export and the C++ build fail in many ways)
+        raise SelfspecError(f"compiling the step failed ({first_line(error)[:200]}); --kernels fast runs") from None
+    if built is None:  # a request started this, and another build already runs
+        print("selfspec compile: another process is building these graphs; leaving it to that one")
+        return
+    target.execution.prepare()  # loads what was just stored
+    curve = target_cost_curve(target)  # the compiled path's cost curve, measured once here if none is stored
+    print(
+        f"selfspec compile: done in {time.perf_counter() - began:.0f} s; the compiled path's cost curve: "
+        f"{curve.source}; later runs load the graphs in a second or two",
+        flush=True,
+    )
 
 
 def _bench(args) -> None:
@@ -335,6 +395,7 @@ COMMANDS = {
     "demo": _demo,
     "profile": _profile,
     "bench": _bench,
+    "compile": _compile,
     "train": _train,
     "tune": _tune,
     "medusa-tree": _medusa_tree,

@@ -12,7 +12,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, kernels: bool = True) -> None:
     parser.add_argument(
         "--model", default="default", help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"
     )
@@ -23,6 +23,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="default: float32 on CPU, bfloat16 on CUDA",
     )
+    if not kernels:
+        return
     parser.add_argument(
         "--kernels",
         default="auto",
@@ -106,6 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument(
         "--json", action="store_true", help='print {"sizes": [...], "ms": {"stock": [...], "fast": [...]}} only'
+    )
+
+    build = commands.add_parser(
+        "compile",
+        help="build this machine's compiled decoding graphs ahead, with a progress bar (requests otherwise start it "
+        "in the background on first use); $SELFSPEC_COMPILE: docs/execution.md",
+    )
+    _add_model_args(build, kernels=False)
+    build.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads the graphs are built for (part of their key; default: torch's, as a request has)",
+    )
+    build.add_argument(
+        "--background", action="store_true", help="as a request starts it: lowest priority, no bar, no waiting"
     )
 
     bench = commands.add_parser("bench", help="benchmark drafters against HF generate and HF peers on real prompts")

@@ -15,8 +15,10 @@ A step of 1-3 tokens goes to `few` only where the stock kernel beats the packed 
 takes 2.3x the packed kernel's time at two rows) it runs in `tree`, padded to four rows with dummy rows the same way.
 Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
 (kv_storage.InPlaceLayer, through its public `storage`/`reserve`/`mark_filled`), so a step copies no cache.
-Compiling takes about a minute per graph on a 2-core CPU, once per kind of CPU, model weights, dtype and software
-versions: the packages are stored under the selfspec cache (`package_dir`). Prefill and anything else the graphs do
+Only the graphs the row split sends steps to are built (`graphs_needed`: `tree` alone where the packed kernel wins
+from two rows). Compiling takes a minute or two per graph on a 2-core CPU, once per kind of CPU, model weights, dtype
+and software versions: the packages are stored under the selfspec cache (`package_dir`); under `auto` a background
+process builds them while requests run on the fast path (background.py). Prefill and anything else the graphs do
 not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager fast path.
 """
 
@@ -141,8 +143,9 @@ def _example(model: torch.nn.Module, rows: int) -> tuple:
     )
 
 
-def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
-    """Trace and compile one graph (a key of GRAPHS) of `model`'s stock modules into the package `path`."""
+def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -> None:
+    """Trace and compile one graph (a key of GRAPHS) of `model`'s stock modules into the package `path`;
+    `on_stage(kind, "export" | "compile")` hears each stage begin (a progress bar)."""
     from torch.export import Dim
 
     low, high = GRAPHS[kind]
@@ -168,7 +171,11 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path) -> None:
             # Non-strict export traces the stock forward as Python runs it (no weights are loaded here: `strict`
             # is torch.export's tracing mode, not state-dict strictness); the strict, dynamo-based mode does not
             # get through transformers' cache objects.
+            if on_stage is not None:
+                on_stage(kind, "export")
             program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
+            if on_stage is not None:
+                on_stage(kind, "compile")
             torch._inductor.aoti_compile_and_package(program, package_path=str(temp), inductor_configs=options)
         os.chmod(temp, 0o644)
         os.replace(temp, path)
@@ -192,8 +199,8 @@ def _padded(input_ids, position_ids, tree_mask, rows: int) -> tuple:
 
 
 class CompiledStep:
-    """The two compiled graphs of one model, built on first use (or loaded from the cache), and the call that routes
-    an eligible forward to them."""
+    """The compiled graphs of one model that its row split uses (`graphs_needed`), built ahead (`build`) or loaded
+    from the cache (`load`), and the call that routes an eligible forward to them."""
 
     def __init__(self, model: torch.nn.Module, model_name: str, log=None, dispatch: RowDispatch | None = None):
         """dispatch: the fast path's row split, which decides the graph of a 1-3 token step (`graph_for`); without
@@ -201,34 +208,63 @@ class CompiledStep:
         self.model, self.model_name, self.dispatch = model, model_name, dispatch
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
-        self.directory: Path | None = None
+        self._directory: Path | None = None
 
-    def load(self) -> None:
-        """Load both packages, compiling those that are not stored yet (the model must be on its fast path)."""
+    @property
+    def directory(self) -> Path:
+        """Where this model's packages live (the weights' digest is computed once: a model's weights do not change
+        while a path holds it)."""
+        if self._directory is None:
+            self._directory = package_dir(self.model, self.model_name)
+        return self._directory
+
+    def graphs_needed(self) -> tuple[str, ...]:
+        """The graphs `graph_for` can send a step to under this row split: `few` only where the stock kernel wins at
+        its two rows (a machine where the packed kernel wins from two rows on would compile it for nothing)."""
+        uses_few = self.dispatch is None or self.graph_for(1)[0] == "few"
+        return tuple(kind for kind in GRAPHS if kind != "few" or uses_few)
+
+    def missing(self) -> list[str]:
+        """The needed graphs whose packages are not stored yet."""
+        return [kind for kind in self.graphs_needed() if not (self.directory / f"{kind}.pt2").is_file()]
+
+    def build(self, on_stage=None) -> None:
+        """Compile the needed graphs not stored yet (the model must be on its stock modules: the trace reads them).
+        `on_stage(kind, stage)` hears each step begin: ("tree", "export"), ("tree", "compile")."""
+        kinds = self.missing()
+        for index, kind in enumerate(kinds):
+            began = time.perf_counter()
+            self.log(
+                f"[selfspec] compiling the target's '{kind}' step for this machine ({index + 1}/{len(kinds)}; once, "
+                f"minutes; stored in {self.directory})"
+            )
+            compile_step(self.model, kind, self.directory / f"{kind}.pt2", on_stage)
+            self.log(f"[selfspec] compiled the '{kind}' step in {time.perf_counter() - began:.0f} s")
+
+    def load(self, compile_missing: bool = True) -> None:
+        """Load the needed packages, compiling those not stored yet unless `compile_missing` is False (then a
+        missing one is a SelfspecError)."""
         if self.runners is not None:
             return
-        self.directory = package_dir(self.model, self.model_name)
-        runners = {}
-        for index, kind in enumerate(GRAPHS):
-            path = self.directory / f"{kind}.pt2"
-            if not path.is_file():
-                began = time.perf_counter()
-                self.log(
-                    f"[selfspec] compiling the target's '{kind}' step for this machine ({index + 1}/2; once, "
-                    f"a minute or two; stored in {self.directory})"
+        if compile_missing:
+            self.build()
+        elif self.missing():
+            raise SelfspecError(f"the compiled graphs {', '.join(self.missing())} are not stored in {self.directory}")
+        runners = {
+            kind: torch._inductor.aoti_load_package(str(self.directory / f"{kind}.pt2"))
+            for kind in self.graphs_needed()
+        }
+        if "few" in runners:  # compiled without its weights: it reads the model's own parameters, shared, not copied
+            step = _Step(self.model)
+            own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
+            needed = runners["few"].get_constant_fqns()
+            if any(name not in own for name in needed):
+                raise SelfspecError(
+                    f"the compiled step in {self.directory} expects weights this model does not have: delete it"
                 )
-                compile_step(self.model, kind, path)
-                self.log(f"[selfspec] compiled the '{kind}' step in {time.perf_counter() - began:.0f} s")
-            runners[kind] = torch._inductor.aoti_load_package(str(path))
-        # `few` was compiled without its weights: it reads the model's own parameters, shared, not copied.
-        step = _Step(self.model)
-        own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
-        needed = runners["few"].get_constant_fqns()
-        if any(name not in own for name in needed):
-            raise SelfspecError(
-                f"the compiled step in {self.directory} expects weights this model does not have: delete it"
+            runners["few"].load_constants(
+                {name: own[name] for name in needed}, check_full_update=True, user_managed=True
             )
-        runners["few"].load_constants({name: own[name] for name in needed}, check_full_update=True, user_managed=True)
         self.runners = runners
 
     def route(self, eager):

@@ -7,11 +7,13 @@ cache layers) and the CPU's capabilities, so every branch can be tested with cap
   it needs AOTInductor and a C++ compiler.
 - `auto`: the best of these that exists here, except that a tiny model stays on `stock` (its weights sit in cache
   anyway, and oneDNN's per-call overhead outweighs what packing saves) and $SELFSPEC_COMPILE=0 keeps it from
-  compiling. Asking for a path that cannot run here is an error naming the reason.
+  compiling (`compile_mode`: whether `auto` waits for a compile or builds it in the background). Asking for a path
+  that cannot run here is an error naming the reason.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +26,18 @@ from .capabilities import CpuCapabilities, detect_capabilities
 KERNEL_CHOICES = ("auto", "stock", "fast", "compiled")
 # `auto` packs only models whose linear layers hold at least this many weights (tiny test models run faster stock).
 AUTO_MIN_WEIGHTS = 1 << 20
-COMPILE_ENV = "SELFSPEC_COMPILE"  # "0": `auto` does not compile (tests; machines where a minute matters)
+COMPILE_ENV = "SELFSPEC_COMPILE"  # how `auto` gets its compiled graphs: COMPILE_MODES
+# "1" (the default): built by a background process while requests decode on `fast`; "wait": built before the first
+# request (a benchmark that wants every request compiled); "0": never (tests; machines where a minute matters).
+COMPILE_MODES = {"1": "background", "background": "background", "wait": "wait", "0": "off"}
+
+
+def compile_mode() -> str:
+    """$SELFSPEC_COMPILE as "background", "wait" or "off"; another value is a SelfspecError."""
+    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
+    if value not in COMPILE_MODES:
+        raise SelfspecError(f"${COMPILE_ENV} must be one of {', '.join(COMPILE_MODES)}, got '{value}'")
+    return COMPILE_MODES[value]
 
 
 @dataclass(frozen=True)
