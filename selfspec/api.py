@@ -10,9 +10,9 @@ import torch
 from .decoding import GenerationResult, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
+from .heads.paced import paced
 from .memory import release_freed_memory
 from .models import DEFAULT_MODEL, Target, load_target
-from .pacing import Pacing
 from .sampling import SamplingConfig
 
 
@@ -54,7 +54,7 @@ class TextStream:
 
 
 class SelfSpec:
-    """A target model with a drafter attached, and the drafter's pacing record beside it (kept across requests).
+    """A target model with a drafter attached, paced across its requests (heads.paced: a pause carries over).
 
     >>> spec = SelfSpec("default")  # drafter="auto": the lookups (ngram, history) merged with the model's trained heads
     >>> result = spec.generate("Write a haiku about caches.", max_new_tokens=64)
@@ -84,13 +84,19 @@ class SelfSpec:
         )
         self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
         self._drafter: Drafter | None = None
-        self.pacing = Pacing()  # the drafter's pacing record across requests (selfspec.pacing), held beside it
+        self._paced: Drafter | None = None  # the drafter with its pacing, kept across requests
 
     @property
     def drafter(self) -> Drafter:
         if self._drafter is None:
             self._drafter = create_drafter(self._drafter_spec, self.target, self._heads, **self._drafter_options)
         return self._drafter
+
+    def _paced_drafter(self) -> Drafter:
+        """The drafter as requests run it: with its pacing, kept across them (built on first use, as `drafter`)."""
+        if self._paced is None:
+            self._paced = paced(self.drafter)
+        return self._paced
 
     def generate(
         self,
@@ -125,16 +131,9 @@ class SelfSpec:
             [on_step] if on_step is not None else []
         )
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
+        drafter = self._paced_drafter()
         tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it
-            self.drafter.target,
-            self.drafter,
-            input_ids,
-            max_new_tokens,
-            sampling,
-            seed=seed,
-            on_tokens=on_tokens,
-            pace=pace,
-            pacing=self.pacing,
+            drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
         )
         release_freed_memory()  # a long-lived object: what the request freed goes back to the system (memory.py)
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)
