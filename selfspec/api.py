@@ -7,12 +7,12 @@ from typing import Callable
 
 import torch
 
-from .decoding import GenerationResult, speculative_generate, validate_request
+from .decoding import GenerationResult, check_settings, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
 from .heads.paced import paced
 from .memory import release_freed_memory
-from .models import DEFAULT_MODEL, Target, load_target
+from .models import DEFAULT_MODEL, Target, check_prompt, load_target
 from .sampling import SamplingConfig
 
 
@@ -51,6 +51,27 @@ class TextStream:
         pieces = self.text.split(token_ids)
         if pieces is not None:
             self.sink(pieces[0] + pieces[1])
+
+
+def check_request(
+    drafter: str = "auto",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    prompt: str | None = None,
+    **drafter_options,
+) -> SamplingConfig:
+    """What can be checked of a request before a model loads, by the rules `SelfSpec` and `generate` apply: the drafter
+    spec and its options, the sampling settings, max_new_tokens and seed, a prompt with some text (None: not given
+    yet). A SelfspecError (one line) names the first problem; the CLI calls this before it loads anything."""
+    parse_drafter_options(drafter, **drafter_options)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_settings(max_new_tokens, seed)
+    if prompt is not None:
+        check_prompt(prompt)
+    return sampling
 
 
 class SelfSpec:

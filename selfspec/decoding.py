@@ -69,12 +69,17 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
-    """Check the request up front; returns input_ids as [1, L] long on the target's device."""
+def check_settings(max_new_tokens: int, seed: int = 0) -> None:
+    """The request's settings that need no model (api.check_request checks them before one loads)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SelfspecError(f"seed must be an integer, got {seed!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise SelfspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+
+
+def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Check the request up front; returns input_ids as [1, L] long on the target's device."""
+    check_settings(max_new_tokens, seed)
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)

@@ -179,8 +179,7 @@ class Target:
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> torch.Tensor:
         """Prompt text -> input ids [1, L]; chat prompts go through the model's own chat template."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise SelfspecError("the prompt is empty: pass some text to generate from")
+        check_prompt(prompt)
         if chat:
             return self.encode_messages([{"role": "user", "content": prompt}])
         self._require_tokenizer()
@@ -228,6 +227,11 @@ ENVIRONMENT_DEFAULTS = {
     # how much: memory.py).
     **{name: str(KERNEL_CACHE_ENTRIES) for name in KERNEL_CACHE_VARIABLES},
 }
+
+
+def check_prompt(prompt: str) -> None:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise SelfspecError("the prompt is empty: pass some text to generate from")
 
 
 def apply_environment_defaults() -> None:
