@@ -170,3 +170,15 @@ def test_a_lookup_is_never_paused_whatever_the_clock_shows(clock):
     stalled = _TimedDrafter(clock, draft_s=0.05)  # half a plain step a proposal, as a preempted process might see
     lookup.propose = stalled.propose
     assert all(run_steps(Paced(lookup), clock, 40, accepted=0))
+
+
+def test_a_source_is_credited_only_with_what_its_keeper_says_it_earned(clock):
+    """auto credits a source with the accepted tokens no other source proposed: accepted tokens it is not credited
+    with do not pay for its drafting."""
+    shared = PlainStep()
+    shared.seconds = 0.1
+    source = Paced(_TimedDrafter(clock, draft_s=0.0302), plain_step=shared)
+    for _ in range(4):  # every drafted token accepted, none of them the source's alone
+        tree = source.propose(DraftRequest(5, 8, SamplingConfig(), None))
+        source.observe(Observation((5,), {}, tree, (0, 1)), earned=0)
+    assert source.pause_left == 57
