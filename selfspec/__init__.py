@@ -1,14 +1,7 @@
 """selfspec: lossless self-speculative decoding with drafters attached to the target model itself."""
 
-import os as _os
-
-# selfspec never downloads: models come from local paths or packages. Set before transformers is imported.
-_os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# oneDNN's kernel caches, bounded before the first kernel is made (why and how much: selfspec/memory.py).
-_os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
-_os.environ.setdefault("LRU_CACHE_CAPACITY", "256")
-
+# Importing selfspec changes nothing in the process's environment: its defaults (offline hub, bounded oneDNN kernel
+# caches) are applied when a target is loaded (models.apply_environment_defaults).
 from .api import SelfSpec, TextStream
 from .cost import CostCurve, load_cost_curve, measure_cost_curve
 from .decoding import GenerationResult, GenerationStats, speculative_generate

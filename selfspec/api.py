@@ -8,12 +8,12 @@ from typing import Callable
 import torch
 
 from .cost import current_cost_curve
-from .decoding import GenerationResult, speculative_generate, validate_request
+from .decoding import GenerationResult, check_settings, speculative_generate, validate_request
 from .errors import SelfspecError
 from .heads import Drafter, create_drafter, parse_drafter_options
+from .heads.paced import paced
 from .memory import release_freed_memory
-from .models import DEFAULT_MODEL, Target, load_target
-from .pacing import Pacing
+from .models import DEFAULT_MODEL, Target, check_prompt, load_target
 from .sampling import SamplingConfig
 
 
@@ -54,8 +54,29 @@ class TextStream:
             self.sink(pieces[0] + pieces[1])
 
 
+def check_request(
+    drafter: str = "auto",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    prompt: str | None = None,
+    **drafter_options,
+) -> SamplingConfig:
+    """What can be checked of a request before a model loads, by the rules `SelfSpec` and `generate` apply: the drafter
+    spec and its options, the sampling settings, max_new_tokens and seed, a prompt with some text (None: not given
+    yet). A SelfspecError (one line) names the first problem; the CLI calls this before it loads anything."""
+    parse_drafter_options(drafter, **drafter_options)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_settings(max_new_tokens, seed)
+    if prompt is not None:
+        check_prompt(prompt)
+    return sampling
+
+
 class SelfSpec:
-    """A target model with a drafter attached, and the drafter's pacing record beside it (kept across requests).
+    """A target model with a drafter attached, paced across its requests (heads.paced: a pause carries over).
 
     >>> spec = SelfSpec("default")  # drafter="auto": the lookups (ngram, history) merged with the model's trained heads
     >>> result = spec.generate("Write a haiku about caches.", max_new_tokens=64)
@@ -86,7 +107,7 @@ class SelfSpec:
         self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
         self._drafter: Drafter | None = None
         self._curve_path = ""  # the execution path the drafter's cost curve was made for
-        self.pacing = Pacing()  # the drafter's pacing record across requests (selfspec.pacing), held beside it
+        self._paced: Drafter | None = None  # the drafter with its pacing, kept across requests
 
     @property
     def drafter(self) -> Drafter:
@@ -107,6 +128,12 @@ class SelfSpec:
             if curve.source != drafter.cost_curve.source:
                 drafter.cost_curve = curve
             self._curve_path = path
+
+    def _paced_drafter(self) -> Drafter:
+        """The drafter as requests run it: with its pacing, kept across them (built on first use, as `drafter`)."""
+        if self._paced is None:
+            self._paced = paced(self.drafter)
+        return self._paced
 
     def generate(
         self,
@@ -142,16 +169,9 @@ class SelfSpec:
             [on_step] if on_step is not None else []
         )
         on_tokens = (lambda token_ids: [sink(token_ids) for sink in sinks]) if sinks else None
+        drafter = self._paced_drafter()
         tokens, stats = speculative_generate(  # the drafter's target: Medusa-2 heads draft for an adapted copy of it
-            self.drafter.target,
-            self.drafter,
-            input_ids,
-            max_new_tokens,
-            sampling,
-            seed=seed,
-            on_tokens=on_tokens,
-            pace=pace,
-            pacing=self.pacing,
+            drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed, on_tokens=on_tokens, pace=pace
         )
         release_freed_memory()  # a long-lived object: what the request freed goes back to the system (memory.py)
         return GenerationResult(token_ids=tokens, text=self.target.decode(tokens), stats=stats)

@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 
 from .errors import SelfspecError
-from .heads.base import Drafter, DraftRequest, Observation, paces_itself
+from .heads.base import Drafter, DraftRequest, Observation
+from .heads.paced import request_pacing
 from .models import Target
-from .pacing import DraftPacer, Pacing
 from .sampling import SamplingConfig, StepDraws
-from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
+from .tree_attention import build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class GenerationStats:
     prefill_s: float
     wall_s: float  # prefill included, as a user waiting for the answer sees it
     stop_reason: str  # "eos", "max_new_tokens" or "context"
-    paused_steps: int = 0  # steps the loop did not ask the drafter for a tree, its drafting not paying (DraftPacer)
+    paused_steps: int = 0  # steps the drafter's pacing did not ask it for a tree, its drafting not paying (Paced)
     draft_s: float = 0.0  # the drafter's share of the steps: its proposals and its bookkeeping of the results
     verify_s: float = 0.0  # the target's tree forwards and their verification (the rest: prefill, the loop itself)
     kernels: str = ""  # the execution path the whole generation ran on (stock, fast or compiled)
@@ -70,12 +70,17 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
-    """Check the request up front; returns input_ids as [1, L] long on the target's device."""
+def check_settings(max_new_tokens: int, seed: int = 0) -> None:
+    """The request's settings that need no model (api.check_request checks them before one loads)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise SelfspecError(f"seed must be an integer, got {seed!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise SelfspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+
+
+def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Check the request up front; returns input_ids as [1, L] long on the target's device."""
+    check_settings(max_new_tokens, seed)
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
@@ -103,15 +108,32 @@ def speculative_generate(
     seed: int = 0,
     on_tokens: Callable[[tuple[int, ...]], None] | None = None,
     pace: bool = True,
-    pacing: Pacing | None = None,
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """Generate up to `max_new_tokens` tokens after `input_ids`; `on_tokens` sees each step's committed tokens.
-    `pace`: pause drafting while it does not pay (DraftPacer, or the drafter's own pacing when it paces itself);
-    False asks the drafter for a tree at every step. `pacing`: the drafter's record from its earlier requests (what is
-    left of a pause, its draft cost: selfspec.pacing), updated here; None starts from a fresh one. When sampling,
-    `seed` fixes the text: the token at output position t is drawn with a uniform keyed on (seed, t) (see
-    StepDraws), so every drafter whose children are deterministic emits what plain sampling with that seed emits."""
+    `target` must be the drafter's own (`drafter.target`, or a copy with other stop tokens: `with_eos`): Medusa-2 heads
+    draft for an adapted copy of the model they were loaded with, and the loop decodes the model the drafter drafts
+    for. `pace`: pause drafting while it does not pay (heads.paced: a drafter kept as `paced(drafter)` carries its
+    pacing across requests, a bare one is paced for this request alone); False asks the drafter for a tree at every
+    step. When sampling, `seed` fixes the text: the token at output position t is drawn with a uniform keyed on
+    (seed, t) (see StepDraws), so every drafter whose children are deterministic emits what plain sampling with that
+    seed emits."""
+    if target.model is not drafter.target.model:
+        raise SelfspecError(f"drafter '{drafter.name}' drafts for another model than the target passed: pass .target")
     input_ids = validate_request(target, input_ids, max_new_tokens, seed)
+    with request_pacing(drafter, pace) as paced_drafter:
+        return _generate(target, paced_drafter, input_ids, max_new_tokens, sampling, seed, on_tokens)
+
+
+def _generate(
+    target: Target,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    on_tokens: Callable[[tuple[int, ...]], None] | None,
+) -> tuple[tuple[int, ...], GenerationStats]:
+    """speculative_generate's loop, on a checked request."""
     model, device, eos = target.model, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     committed: list[int] = input_ids[0].tolist()
@@ -120,9 +142,7 @@ def speculative_generate(
     tree_sizes: list[int] = []
     stop_reason = "max_new_tokens"
     draft_s = verify_s = 0.0
-    pacing = Pacing() if pacing is None else pacing
-    pacing.new_request(pace)
-    pacer = DraftPacer(drafter.cost_curve, pacing, enabled=pace and not paces_itself(drafter))
+    paused_before = drafter.stats().paused_steps
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
         kernels = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
@@ -130,17 +150,13 @@ def speculative_generate(
         cache = target.new_cache()
         prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None
         drafter.reset()
-        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}, pacing=pacing))
+        drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}))
         prefill_s = time.perf_counter() - start
         while True:
             step_start = time.perf_counter()
             budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
-            # 2. Propose, within what the loop can still emit this step (unless drafting is paused: see DraftPacer).
-            if pacer.should_draft():
-                request = DraftRequest(committed[-1], budget - 1, sampling, generator, pacing)
-                tree = drafter.propose(request).pruned(budget - 1)
-            else:
-                tree = DraftTree.root_only(committed[-1])
+            # 2. Propose, within what the loop can still emit this step (a paused drafter proposes the root alone).
+            tree = drafter.propose(DraftRequest(committed[-1], budget - 1, sampling, generator)).pruned(budget - 1)
             if tree.token_list[0] != committed[-1]:
                 raise SelfspecError(
                     f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
@@ -153,8 +169,7 @@ def speculative_generate(
             # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
             result = verify(tree, output.logits, sampling, StepDraws(seed, len(new_tokens), generator))
             forward_s = time.perf_counter() - forward_start
-            proposal_s = forward_start - step_start
-            draft_s, verify_s = draft_s + proposal_s, verify_s + forward_s
+            draft_s, verify_s = draft_s + forward_start - step_start, verify_s + forward_s
             # 5. Commit, stopping at EOS anywhere inside the emitted tokens; keep only the accepted path's KV.
             emitted = result.emitted
             eos_at = next((i for i, token in enumerate(emitted) if token in eos), None)
@@ -172,19 +187,12 @@ def speculative_generate(
             if len(committed) >= target.context_limit:
                 stop_reason = "context"
                 break
-            # 6. Let the drafter see what was committed (and the accepted path's hidden states), after the pacing
-            #    record has the step's forward time.
+            # 6. Let the drafter see what was committed (and the accepted path's hidden states).
             observe_start = time.perf_counter()
             path = torch.tensor(result.accepted_path, device=device)
             hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
-            pacing.verified(forward_s, drafter.cost_curve.cost(tree.size))
-            drafter.observe(Observation(emitted, hidden, tree, result.accepted_path, pacing))
-            now = time.perf_counter()
-            bookkeeping_s = now - observe_start
-            draft_s += bookkeeping_s
-            # The drafter's share of the step: its proposal and its bookkeeping of the result.
-            pacer.record(tree.size, len(emitted), now - step_start, forward_s, proposal_s + bookkeeping_s)
-    pacer.remember()
+            drafter.observe(Observation(emitted, hidden, tree, result.accepted_path))
+            draft_s += time.perf_counter() - observe_start  # the drafter's bookkeeping of the result
     stats = GenerationStats(
         new_tokens=len(new_tokens),
         target_forwards=len(accepted_lengths),
@@ -193,7 +201,7 @@ def speculative_generate(
         prefill_s=prefill_s,
         wall_s=time.perf_counter() - start,
         stop_reason=stop_reason,
-        paused_steps=pacer.paused_steps,
+        paused_steps=drafter.stats().paused_steps - paused_before,
         draft_s=draft_s,
         verify_s=verify_s,
         kernels=kernels,

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from .errors import SelfspecError, first_line
 from .execution import KERNEL_CHOICES, ExecutionPath
 from .files import cache_root
+from .memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -179,8 +180,7 @@ class Target:
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> torch.Tensor:
         """Prompt text -> input ids [1, L]; chat prompts go through the model's own chat template."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise SelfspecError("the prompt is empty: pass some text to generate from")
+        check_prompt(prompt)
         if chat:
             return self.encode_messages([{"role": "user", "content": prompt}])
         self._require_tokenizer()
@@ -220,6 +220,26 @@ def _default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
+# Set when a target is loaded, not when selfspec is imported: importing a library leaves the process's environment
+# alone. A value already set wins.
+ENVIRONMENT_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",  # selfspec never downloads (every load below also passes local_files_only)
+    # oneDNN's kernel caches, bounded before the first kernel is made: packing the target's weights makes some (why and
+    # how much: memory.py).
+    **{name: str(KERNEL_CACHE_ENTRIES) for name in KERNEL_CACHE_VARIABLES},
+}
+
+
+def check_prompt(prompt: str) -> None:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise SelfspecError("the prompt is empty: pass some text to generate from")
+
+
+def apply_environment_defaults() -> None:
+    for name, value in ENVIRONMENT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def load_target(
     spec: str | os.PathLike = DEFAULT_MODEL,
     device: str | None = None,
@@ -227,6 +247,7 @@ def load_target(
     kernels: str = "auto",
 ) -> Target:
     """Load `default`, a checkpoint directory, a `.gguf` file, or a hub id already in the local HF cache."""
+    apply_environment_defaults()
     if kernels not in KERNEL_CHOICES:
         raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
     device = device or _default_device()
@@ -308,8 +329,10 @@ def _load_checkpoint_dir(directory: Path, dtype: torch.dtype):
 
 def _load_gguf(file: Path, dtype: torch.dtype):
     try:
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            file.parent, gguf_file=file.name, dtype=dtype, local_files_only=True
+        )
     except (OSError, ValueError, RuntimeError, KeyError) as error:
         raise SelfspecError(f"could not load the GGUF file '{file}': {first_line(error)}") from None
     _drop_quantization_marker(model)

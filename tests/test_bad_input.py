@@ -69,7 +69,7 @@ def test_heads_for_parameter_free_drafter(tmp_path):
     "extra, fragment",
     [
         (["--prompt", ""], "prompt is empty"),
-        (["--prompt", "cat", "--max-new-tokens", "0"], "max-new-tokens"),
+        (["--prompt", "cat", "--max-new-tokens", "0"], "max_new_tokens"),
         (["--prompt", "cat", "--temperature", "-1"], "temperature"),
         (["--prompt", "cat", "--top-p", "2"], "top_p"),
         (["--prompt", "cat", "--top-k", "-1"], "top_k"),

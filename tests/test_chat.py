@@ -84,7 +84,7 @@ def test_chat_through_pipes_keeps_the_history_and_writes_status_to_stderr(tiny_s
 
 def test_chat_bad_input_is_one_line(tiny_checkpoint, tmp_path, capsys):
     for extra, fragment in (
-        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
         (["--drafter", "nope"], "unknown drafter"),
         (["--drafter", "eagle", "--heads", str(tmp_path / "missing")], "does not exist"),
         (["--temperature", "-1"], "temperature"),

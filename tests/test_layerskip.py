@@ -21,7 +21,7 @@ from selfspec.heads.layerskip import (
     load_skip_file,
     save_skip_file,
 )
-from selfspec.pacing import DraftCost, Pacing
+from selfspec.heads.paced import PAUSE_RULE, Paced, PlainStep
 from selfspec.sampling import SamplingConfig
 
 from .helpers import CORE_FAMILIES, PROMPT, hf_greedy, make_tiny_target
@@ -103,43 +103,24 @@ def test_threshold_stops_drafting_and_adapts():
     assert adaptive.threshold > 0.3  # acceptance below the (impossible) target rate raised it
 
 
-def test_draft_cost_in_plain_steps_and_the_dormant_verdict():
-    cost = DraftCost()
-    cost.verified(forward_s=0.2, relative_cost=2.0)  # a 4-node tree at twice a plain step: a plain step is 0.1 s
-    cost.drafted(0.36, forwards=3)  # 0.12 s a draft forward
-    assert cost.steps_per_token is None and not cost.dormant  # too few forwards timed for a verdict
-    cost.drafted(0.12, forwards=1)
-    assert cost.steps_per_token == pytest.approx(1.2) and cost.dormant
-    cheap = DraftCost()
-    cheap.verified(forward_s=0.1, relative_cost=1.0)
-    cheap.drafted(0.2, forwards=4)  # 0.05 s a draft forward: half a plain step, drafting may pay
-    cheap.drafted(0.0, forwards=0)  # a proposal that ran no one-token forward changes nothing
-    assert cheap.steps_per_token == pytest.approx(0.5) and not cheap.dormant
-
-
-class _InstantTarget(DraftCost):
-    def verified(self, forward_s: float, relative_cost: float) -> None:
-        self.plain_s = 1e-6  # as if the target's plain step took a microsecond: no draft forward can pay
-
-
-def test_a_draft_that_costs_a_plain_step_stops_drafting_unless_unpaced():
+def test_a_draft_that_costs_more_than_a_plain_step_is_paused_unless_unpaced():
+    """Layer-skip's draft forwards are its pacing's input: where one costs more than a plain target step, a window of
+    them can never pay, and the wrapper rests it for as long as the rule allows (no verdict of the drafter's own)."""
     target = make_tiny_target("llama", num_hidden_layers=4)
     target.model.generation_config.eos_token_id = None
     target = target.with_eos(())
     reference = hf_greedy(target, PROMPT, 20, eos=-1)
-    drafter = _drafter(target, threshold=0.0, adaptive=False)
-    pacing = Pacing()  # the drafter's record, held beside it across requests
-    pacing.draft_cost = _InstantTarget()
-    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pacing=pacing)
-    assert pacing.draft_cost.dormant and pacing.draft_cost.samples >= DraftCost.MIN_SAMPLES
-    drafted = [size for size in stats.tree_sizes if size > 1]
-    assert 0 < len(drafted) < len(stats.tree_sizes)  # it drafted until the verdict, then never again
-    assert set(stats.tree_sizes[len(drafted) :]) == {1}
-    assert list(tokens) == reference
-    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pace=False, pacing=pacing)
+    instant = PlainStep()
+    instant.seconds = 1e-6  # as if the target's plain step took a microsecond: no draft forward can pay
+    drafter = Paced(_drafter(target, threshold=0.0, adaptive=False), plain_step=instant)  # kept across requests
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20)
+    window = PAUSE_RULE.window
+    assert min(stats.tree_sizes[:window]) > 1 and set(stats.tree_sizes[window:]) == {1}  # one probe, then paused
+    assert list(tokens) == reference and drafter.pause_left > 0
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pace=False)
     assert list(tokens) == reference and set(stats.tree_sizes) != {1}  # unpaced: it drafts whatever it costs
-    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20, pacing=pacing)
-    assert list(tokens) == reference and set(stats.tree_sizes) == {1}  # the verdict is kept across requests
+    tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 20)
+    assert list(tokens) == reference and set(stats.tree_sizes) == {1}  # the pause is kept across requests
 
 
 @pytest.mark.parametrize("family", CORE_FAMILIES)

@@ -15,6 +15,8 @@ SHARED_HEAD_MODULES = {
     "selfspec.heads.artifacts",
     "selfspec.heads.vocab",
     "selfspec.heads.speculators",
+    "selfspec.heads.calibration",
+    "selfspec.heads.paced",
 }
 
 

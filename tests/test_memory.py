@@ -1,8 +1,10 @@
 """What a long-lived process holds between requests stays bounded (selfspec/memory.py): oneDNN's kernel caches are
-capped when selfspec is imported, and what a request freed goes back to the system after it."""
+capped when a target is loaded (importing selfspec leaves the environment alone), and what a request freed goes back
+to the system after it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,8 +17,10 @@ from .helpers import make_tiny_target
 _KERNEL_CACHE_PROBE = """
 import ctypes, sys
 import psutil, torch
-import selfspec
+from selfspec.models import apply_environment_defaults
 from selfspec.execution import pack_weight, packed_linear
+
+apply_environment_defaults()  # as load_target does before it packs a target's weights
 
 torch.set_num_threads(1)
 libc, process = ctypes.CDLL("libc.so.6"), psutil.Process()
@@ -42,7 +46,7 @@ print(resident_mb() - middle)
 
 def test_the_kernel_caches_are_bounded_however_many_shapes_a_process_meets():
     """oneDNN keeps the kernels it compiles for each new row count (~0.6 MB a weight shape) in two caches; selfspec
-    bounds both when it is imported, so after they fill, 400 more new shapes add (almost) nothing. Without the bound
+    bounds both when it loads a target, so after they fill, 400 more new shapes add (almost) nothing. Without the bound
     (oneDNN's default of 1,024 entries each) the second half adds ~0.5 MB a shape, ~200 MB."""
     env = {
         key: value
@@ -56,9 +60,26 @@ def test_the_kernel_caches_are_bounded_however_many_shapes_a_process_meets():
     assert grown_mb < 25, f"400 new shapes after the caches filled grew the process by {grown_mb:.0f} MB"
 
 
-def test_importing_selfspec_caps_both_kernel_caches():
-    for name in KERNEL_CACHE_VARIABLES:
-        assert os.environ[name] == str(KERNEL_CACHE_ENTRIES)
+_ENVIRONMENT_PROBE = """
+import json, os, sys
+before = dict(os.environ)
+import selfspec
+imported = dict(os.environ)
+selfspec.load_target(sys.argv[1])
+print(json.dumps([imported == before, {k: v for k, v in os.environ.items() if before.get(k) != v}]))
+"""
+
+
+def test_selfspec_sets_its_environment_defaults_when_it_loads_a_target_not_on_import(tiny_checkpoint):
+    names = ("HF_HUB_OFFLINE", *KERNEL_CACHE_VARIABLES)
+    env = {key: value for key, value in os.environ.items() if key not in names}
+    env["LRU_CACHE_CAPACITY"] = "64"  # a value the user set wins
+    result = subprocess.run(
+        [sys.executable, "-c", _ENVIRONMENT_PROBE, str(tiny_checkpoint)], capture_output=True, text=True, env=env
+    )
+    unchanged_on_import, set_on_load = json.loads(result.stdout.strip().splitlines()[-1])
+    assert unchanged_on_import
+    assert set_on_load == {"HF_HUB_OFFLINE": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(KERNEL_CACHE_ENTRIES)}
 
 
 _FRAGMENTED_PROBE = """

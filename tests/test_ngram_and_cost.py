@@ -7,7 +7,7 @@ from selfspec.cost import CostCurve, monotone_fit
 from selfspec.decoding import speculative_generate
 from selfspec.heads import create_drafter
 from selfspec.heads.base import DraftRequest, Observation
-from selfspec.pacing import AcceptanceCalibration
+from selfspec.heads.calibration import AcceptanceCalibration
 from selfspec.sampling import SamplingConfig
 
 from .helpers import FLAT, make_tiny_target

@@ -1,5 +1,6 @@
-"""The decoding loop's pacer: drafting that emits tokens more slowly than plain decoding would is paused, with a
-back-off that doubles while probes keep failing; pausing never changes what is emitted."""
+"""Pacing (heads/paced.py): a `Paced` drafter pauses drafting whose own time costs more plain target steps than the
+tokens it earns, in proportion to what it lost, carries the pause to its next request, leaves a free drafter alone,
+and never changes what is emitted."""
 
 from __future__ import annotations
 
@@ -8,70 +9,104 @@ import time
 import pytest
 import torch
 
+import selfspec.heads.paced as paced_module
 from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
-from selfspec.heads import register_drafter, unregister_drafter
-from selfspec.pacing import DraftPacer, Pacing
+from selfspec.heads import create_drafter
+from selfspec.heads.base import Drafter, DraftRequest, Observation
+from selfspec.heads.paced import PAUSE_RULE, Paced, PlainStep, paced, request_pacing
+from selfspec.sampling import SamplingConfig
+from selfspec.tree_attention import DraftTree
 
 from .helpers import PROMPT, RandomDrafter, hf_greedy, make_tiny_target, without_eos
 
 CURVE = CostCurve((1, 2, 16), (1.0, 1.0, 2.0), source="test")
 
 
-def drafting_steps(pacer: DraftPacer, count: int, step_s: float, emitted: int) -> list[bool]:
-    """`count` loop steps on 2-node trees (forward 0.1 s, drafting 0.02 s); True where the pacer let the drafter
-    draft."""
-    asked = []
+def test_the_pause_keeps_the_loss_within_its_share_of_the_time():
+    assert PAUSE_RULE.window == 4 and PAUSE_RULE.share == 0.02  # the step counts below follow from them
+    # 1.21 plain steps lost: the pause and the probe together must take 1.21 / 0.02 = 60.5 steps: 4 probed, 57 paused.
+    assert PAUSE_RULE.pause(1.21) == 57
+    assert PAUSE_RULE.pause(0.05) == 0  # a cheap miss: 3 steps' worth, within the probe itself
+    assert PAUSE_RULE.pause(0.0) == PAUSE_RULE.pause(-3.0) == 0  # paid its way
+    assert PAUSE_RULE.pause(1000.0) == PAUSE_RULE.max_pause
+
+
+class _Clock:
+    """Stands in for time.perf_counter: the drafter and the 'loop' below advance it by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedDrafter(Drafter):
+    """Proposes a 2-node tree, taking `draft_s` of the clock."""
+
+    def __init__(self, clock: _Clock, draft_s: float):
+        super().__init__(target=None, cost_curve=CURVE)
+        self.clock, self.draft_s = clock, draft_s
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        self.clock.now += self.draft_s
+        return DraftTree.from_paths(request.root_token, [[7]])
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    clock = _Clock()
+    monkeypatch.setattr(paced_module.time, "perf_counter", clock)
+    return clock
+
+
+def run_steps(drafter: Paced, clock: _Clock, count: int, accepted: int, verify_s: float = 0.1) -> list[bool]:
+    """`count` steps of a loop whose verification takes `verify_s` a step (one plain step: the curve is flat up to 2
+    nodes); `accepted` of each 2-node tree's drafted tokens accepted. True where the drafter drafted."""
+    drafted = []
     for _ in range(count):
-        drafted = pacer.should_draft()
-        asked.append(drafted)
-        if drafted:
-            pacer.record(2, emitted, step_s, forward_s=0.1, draft_s=0.02)
-        else:
-            pacer.record(1, 1, 0.1, forward_s=0.1, draft_s=0.0)
-    return asked
+        tree = drafter.propose(DraftRequest(5, 8, SamplingConfig(), None))
+        clock.now += verify_s
+        path = (0, 1)[: 1 + (accepted if tree.size > 1 else 0)]
+        drafter.observe(Observation((5,), {}, tree, path))
+        drafted.append(tree.size > 1)
+    return drafted
 
 
-def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost():
-    assert DraftPacer.PROBE_SHARE == 0.02  # the step counts below follow from it
-    pacer = DraftPacer(CURVE, Pacing())
-    # 0.15 s a step for 1.2 tokens: 0.125 s a token; a plain step would cost ~0.13 s here (0.15 - 0.02 - 0.1 + 0.1).
-    assert all(drafting_steps(pacer, 8, step_s=0.15, emitted=1.2))
-    # 0.15 s a step for 1 token. Before any plain step is measured the window is judged against the estimate
-    # (0.13 s): it lost 0.08 s, a ceil(0.08 / (0.02 x 0.13)) = 31-step pause. Against plain steps then measured at
-    # 0.1 s a window loses 4 x 0.05 s = 2 plain steps, so it pauses 2 / 0.02 = 100 steps: probing costs 2% of the time.
-    asked = drafting_steps(pacer, 4 + 31 + 4 + 100 + 1, step_s=0.15, emitted=1)
-    assert asked == [True] * 4 + [False] * 31 + [True] * 4 + [False] * 100 + [True]
-    assert pacer.paused_steps == 131 and pacer.plain_s == pytest.approx(0.1)
-    # A cheap drafter that just missed (0.101 s for 1 token) pauses only MIN_PAUSE steps; a costly one at most
-    # MAX_PAUSE.
-    cheap = DraftPacer(CURVE, Pacing())
-    cheap.plain_s = 0.1
-    assert drafting_steps(cheap, 4 + 5, step_s=0.101, emitted=1) == [True] * 4 + [False] * 4 + [True]
-    costly = DraftPacer(CURVE, Pacing())
-    costly.plain_s = 0.1
-    drafting_steps(costly, 4, step_s=1.0, emitted=1)
-    assert costly._pause_left == DraftPacer.MAX_PAUSE
-    # A window that pays leaves drafting on.
-    assert all(drafting_steps(cheap, 8, step_s=0.15, emitted=2))
+def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost(clock):
+    # 0.0302 s of drafting a step against 0.1 s plain steps, nothing accepted: a window loses 4 x 0.302 = 1.208 plain
+    # steps, so it and the pause take ceil(1.208 / 0.02) = 61 steps: a 57-step pause.
+    slow = Paced(_TimedDrafter(clock, draft_s=0.0302))
+    drafted = run_steps(slow, clock, 4 + 57 + 4, accepted=0)
+    assert drafted == [True] * 4 + [False] * 57 + [True] * 4 and slow.pause_left == 57
+    assert slow.plain_step.seconds == pytest.approx(0.1) and slow.stats().paused_steps == 57
+    # The same drafting with a token accepted a step earns 4 against 1.2: never paused.
+    paying = Paced(_TimedDrafter(clock, draft_s=0.0302))
+    assert all(run_steps(paying, clock, 40, accepted=1))
+    # A drafter that costs next to nothing (a lookup that keeps missing) is never paused either.
+    free = Paced(_TimedDrafter(clock, draft_s=0.0001))
+    assert all(run_steps(free, clock, 40, accepted=0)) and free.paused_steps == 0
 
 
-def test_the_schedule_carries_over_to_the_drafters_next_request():
-    record = Pacing()  # the drafter's, held beside it across requests
-    pacer = DraftPacer(CURVE, record)
-    pacer.plain_s = 0.1
-    drafting_steps(pacer, 4 + 60, step_s=0.15, emitted=1)  # a 100-step pause, 40 of it left
-    pacer.remember()
-    assert record.pause_left == 40
-    following = DraftPacer(CURVE, record)  # the next request goes on with what was left
-    assert drafting_steps(following, 40 + 1, step_s=0.15, emitted=1) == [False] * 40 + [True]
-    DraftPacer(CURVE, record, enabled=False).remember()  # an unpaced request leaves the schedule alone
-    assert record.pause_left == 40
+def test_the_pause_carries_over_to_the_next_request_and_an_unpaced_one_leaves_it(clock):
+    drafter = Paced(_TimedDrafter(clock, draft_s=0.0302))
+    run_steps(drafter, clock, 4 + 17, accepted=0)  # a 57-step pause, 40 of it left
+    drafter.reset()  # the next request
+    assert drafter.pause_left == 40 and drafter.plain_step.seconds == pytest.approx(0.1)
+    drafter.enabled = False  # an unpaced request: asked at every step, the pause left as it was
+    assert all(run_steps(drafter, clock, 12, accepted=0)) and drafter.pause_left == 40
+    drafter.enabled = True
+    assert run_steps(drafter, clock, 41, accepted=0) == [False] * 40 + [True]
 
 
-def test_a_disabled_pacer_never_pauses():
-    pacer = DraftPacer(CURVE, Pacing(), enabled=False)
-    assert all(drafting_steps(pacer, 40, step_s=1.0, emitted=1)) and pacer.paused_steps == 0
+def test_a_shared_plain_step_is_read_not_measured(clock):
+    shared = PlainStep()
+    source = Paced(_TimedDrafter(clock, draft_s=0.0302), plain_step=shared)
+    assert all(run_steps(source, clock, 8, accepted=0))  # no plain step measured by its owner: nothing to weigh
+    assert shared.seconds is None
+    shared.seconds = 0.1
+    assert run_steps(source, clock, 5, accepted=0) == [True] * 4 + [False]
 
 
 class SlowRandomDrafter(RandomDrafter):
@@ -104,30 +139,46 @@ def test_the_stats_split_the_time_into_drafting_and_verifying():
     assert "of the time drafting" in stats.summary() and "verifying" in stats.summary()
 
 
-class SelfPacedSlowDrafter(SlowRandomDrafter):
-    """Registered with paces_itself=True below."""
-
-
-def test_the_loop_leaves_a_self_paced_drafter_alone():
-    register_drafter("self-paced-slow", paces_itself=True)(SelfPacedSlowDrafter)
-    try:
-        target = without_eos(make_tiny_target("llama"))
-        drafter, record = SelfPacedSlowDrafter(target), Pacing()
-        tokens, stats = speculative_generate(target, drafter, torch.tensor(PROMPT), 24, pacing=record)
-        assert list(tokens) == hf_greedy(target, PROMPT, 24, eos=-1)
-        assert stats.paused_steps == 0 and record.pause_left == 0
-    finally:
-        unregister_drafter("self-paced-slow")
-
-
-def test_the_record_beside_the_drafter_carries_a_pause_to_its_next_request():
+def test_a_drafter_kept_paced_carries_its_pause_to_its_next_request():
     target = without_eos(make_tiny_target("llama"))
-    drafter, record = SlowRandomDrafter(target), Pacing()  # as SelfSpec holds them: the record beside the drafter
-    _, first = speculative_generate(target, drafter, torch.tensor(PROMPT), 24, pacing=record)
-    assert first.paused_steps > 0 and record.pause_left > 0  # the pause outlasted the request
+    drafter = SlowRandomDrafter(target)
+    kept = paced(drafter)  # as SelfSpec keeps it across requests
+    _, first = speculative_generate(target, kept, torch.tensor(PROMPT), 24)
+    assert first.paused_steps > 0 and kept.pause_left > 0  # the pause outlasted the request
     attributes = dict(vars(drafter))
-    _, second = speculative_generate(target, drafter, torch.tensor(PROMPT), 24, pacing=record)
+    _, second = speculative_generate(target, kept, torch.tensor(PROMPT), 24)
     assert second.paused_steps == second.target_forwards and set(second.tree_sizes) == {1}  # still paused
-    assert vars(drafter).keys() == attributes.keys() and not hasattr(drafter, "pacing")  # nothing written on it
-    _, fresh = speculative_generate(target, drafter, torch.tensor(PROMPT), 24)  # no record: nothing carried over
+    assert vars(drafter).keys() == attributes.keys()  # nothing of pacing written on the drafter
+    _, fresh = speculative_generate(target, drafter, torch.tensor(PROMPT), 24)  # bare: paced for this request alone
     assert fresh.tree_sizes[0] > 1
+
+
+def test_a_composite_drafter_is_paced_source_by_source_never_whole():
+    target = without_eos(make_tiny_target("llama"))
+    auto = create_drafter("auto:sources=ngram+history", target)
+    assert paced(auto) is auto and all(isinstance(source, Paced) for source in auto.parts())
+    lone = create_drafter("ngram", target)
+    assert isinstance(paced(lone), Paced) and paced(paced(lone)).drafter is lone  # wrapped once
+    with request_pacing(auto, pace=False) as running:
+        assert running is auto and not any(source.enabled for source in auto.parts())
+    assert all(source.enabled for source in auto.parts())  # restored after the request
+
+
+def test_a_lookup_is_never_paused_whatever_the_clock_shows(clock):
+    """Prompt lookup's drafting costs nothing to speak of: a stall of the machine around it is not its cost."""
+    lookup = create_drafter("ngram", make_tiny_target("llama"))
+    stalled = _TimedDrafter(clock, draft_s=0.05)  # half a plain step a proposal, as a preempted process might see
+    lookup.propose = stalled.propose
+    assert all(run_steps(Paced(lookup), clock, 40, accepted=0))
+
+
+def test_a_source_is_credited_only_with_what_its_keeper_says_it_earned(clock):
+    """auto credits a source with the accepted tokens no other source proposed: accepted tokens it is not credited
+    with do not pay for its drafting."""
+    shared = PlainStep()
+    shared.seconds = 0.1
+    source = Paced(_TimedDrafter(clock, draft_s=0.0302), plain_step=shared)
+    for _ in range(4):  # every drafted token accepted, none of them the source's alone
+        tree = source.propose(DraftRequest(5, 8, SamplingConfig(), None))
+        source.observe(Observation((5,), {}, tree, (0, 1)), earned=0)
+    assert source.pause_left == 57

@@ -62,7 +62,7 @@ def _drafts(target, heads, steps: int = 4, drafter: str = "eagle3") -> list[tupl
         return tree
 
     drafter.propose = recording
-    speculative_generate(target, drafter, torch.tensor(PROMPT), steps * 3)
+    speculative_generate(target, drafter, torch.tensor(PROMPT), steps * 3, pace=False)  # every step's tree
     return trees
 
 

@@ -15,13 +15,10 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..cost import current_cost_curve
-from ..decoding import speculative_generate
-from ..heads import create_drafter, parse_drafter_options
+from ..api import SelfSpec
+from ..heads import parse_drafter_options
 from ..heads.artifacts import heads_kind
 from ..models import Target
-from ..pacing import Pacing
-from ..sampling import SamplingConfig
 from .metrics import RunRecord
 from .prompts import PromptItem
 
@@ -37,7 +34,7 @@ class BenchSettings:
     seed: int = 0
     prompt_lookup_tokens: int = 10  # HF's own default draft length for prompt lookup
     early_exit_layer: int | None = None  # None: half the target's layers
-    pace: bool = True  # the decoding loop pauses drafting that does not pay (selfspec.pacing.DraftPacer)
+    pace: bool = True  # drafting that does not pay is paused (heads.paced.Paced)
 
 
 @dataclass(frozen=True)
@@ -107,20 +104,24 @@ def _hf_method(target: Target, settings: BenchSettings, **generate_kwargs) -> Me
 
 
 def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings, heads: Path | None) -> Method:
-    drafter = create_drafter(drafter_spec, target, heads)
-    pacing = Pacing()  # the drafter's record across the prompts, as SelfSpec keeps one
-    sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
-    curve_path = [drafter.target.execution.name]  # the path the drafter's cost curve was made for
+    """The drafter as users run it: a SelfSpec on the shared target, kept across the prompts (its state and pacing
+    carry over, as a server's would)."""
+    spec = SelfSpec(target, drafter=drafter_spec, heads=heads)
+    spec.drafter  # built now: a drafter that cannot load fails before any prompt runs
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
-        if curve_path[0] != drafter.target.execution.name:  # the compiled path took over between prompts
-            drafter.cost_curve, curve_path[0] = current_cost_curve(drafter.target), drafter.target.execution.name
-        before = drafter.stats()
-        # Verified on the drafter's target: Medusa-2 heads draft for (and decode) an adapted copy of the shared one.
-        tokens, stats = speculative_generate(
-            drafter.target, drafter, input_ids, max_new_tokens, sampling, seed=seed, pace=settings.pace, pacing=pacing
+        before = spec.drafter.stats()
+        result = spec.generate(
+            input_ids=input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            seed=seed,
+            pace=settings.pace,
         )
-        by_source = tuple((drafter.stats().accepted_since(before) or {}).items())
+        tokens, stats = result.token_ids, result.stats
+        by_source = tuple((spec.drafter.stats().accepted_since(before) or {}).items())
         return MethodOutput(
             tokens,
             stats.target_forwards,

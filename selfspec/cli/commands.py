@@ -32,18 +32,15 @@ def _load_spec(args, needs_text: str | None = None):
     return spec
 
 
-def _generate(args) -> None:
-    from ..errors import SelfspecError
-    from ..heads import parse_drafter_options
-    from ..sampling import SamplingConfig
+def _check_request(args, prompt: str | None = None) -> None:
+    """The API's checks of what the request can be checked for before a model loads (bad input fails at once)."""
+    from ..api import check_request
 
-    # Cheap checks first, so bad input fails before a model is loaded.
-    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    parse_drafter_options(args.drafter)
-    if args.max_new_tokens <= 0:
-        raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise SelfspecError("the prompt is empty: pass some text with --prompt")
+    check_request(args.drafter, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, prompt)
+
+
+def _generate(args) -> None:
+    _check_request(args, args.prompt)
     spec = _load_spec(args)
     result = spec.generate(
         prompt=args.prompt,
@@ -68,23 +65,17 @@ def _generate(args) -> None:
 
 def _chat(args) -> None:
     from ..chat import main_loop
-    from ..errors import SelfspecError
-    from ..heads import parse_drafter_options
-    from ..sampling import SamplingConfig
 
-    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # cheap checks first
-    parse_drafter_options(args.drafter)
-    if args.max_new_tokens <= 0:
-        raise SelfspecError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    _check_request(args)
     main_loop(_load_spec(args, needs_text="chat"), args)
 
 
 def _demo(args) -> None:
+    from ..api import check_request
     from ..demo import MAX_NEW_TOKENS_LIMIT, DemoState, bind, serve
     from ..errors import SelfspecError
-    from ..heads import parse_drafter_options
 
-    parse_drafter_options(args.drafter)  # cheap checks first, then the port, then the model
+    check_request(args.drafter)  # cheap checks first, then the port, then the model
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
         raise SelfspecError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, got {args.max_new_tokens}")
     if not 0 < args.port < 65536:

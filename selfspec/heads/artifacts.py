@@ -95,7 +95,12 @@ def load_head(directory: Path, drafter: str, config_cls, target: Target) -> Head
 
 
 def read_weights(weights_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """A heads directory's weights file -> (its tensors, its metadata: the fingerprint, the drafter)."""
+    """A weights file (a heads directory's, or a speculators checkpoint's) -> (its tensors, its metadata: for a heads
+    directory, the fingerprint and the drafter)."""
+    if not weights_path.is_file():
+        raise SelfspecError(
+            f"'{weights_path.parent}' has no {weights_path.name} (a sharded or .bin checkpoint is not supported)"
+        )
     try:
         with safe_open(str(weights_path), framework="pt") as file:
             metadata = file.metadata() or {}

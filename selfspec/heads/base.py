@@ -21,7 +21,6 @@ from ..cost import CostCurve, target_cost_curve
 from ..errors import SelfspecError
 from ..models import Target
 from ..options import format_option, from_dict, parse_drafter_spec
-from ..pacing import Pacing
 from ..sampling import SamplingConfig
 from ..tree_attention import DraftTree
 
@@ -34,9 +33,6 @@ class DraftRequest:
     max_depth: int  # deepest node the loop can use (max_new_tokens and context budget); 0 means no draft
     sampling: SamplingConfig
     generator: torch.Generator | None  # draw any random draft tokens from this, so runs are reproducible
-    # The drafter's pacing record (selfspec.pacing): `paced` False means skip nothing for cost (acceptance is
-    # measured, or a run must be reproducible). Read verdicts and add timings there; keep no reference to it.
-    pacing: Pacing = field(default_factory=Pacing)
 
 
 @dataclass(frozen=True)
@@ -49,7 +45,6 @@ class Observation:
     hidden: dict[int, torch.Tensor]  # layer -> [m, H] at the forwarded committed positions (see below)
     tree: DraftTree | None = None  # the drafter's tree (root only where it drafted nothing); None after the prefill
     accepted_path: tuple[int, ...] = ()  # nodes of `tree` the target accepted, root (0) first; () after the prefill
-    pacing: Pacing = field(default_factory=Pacing)  # the drafter's pacing record, as in its DraftRequest
     # hidden rows: after the prefill, the prompt minus its last token; after a step, the verified tree's accepted
     # path's nodes (root first). The target's extra token is never forwarded in the step that produced it.
 
@@ -80,6 +75,7 @@ class DrafterStats:
     # The mean accepted length its trained parts reached on held-out prompts when they were trained (their training
     # report); None where unknown or where nothing was trained.
     heldout_tau: float | None = None
+    paused_steps: int = 0  # steps its pacing (paced.Paced) did not ask it for a tree, its drafting not paying
 
     def accepted_since(self, before: "DrafterStats") -> dict[str, int] | None:
         """Accepted draft tokens by source since `before` (an earlier report), or None for a drafter that does not count
@@ -152,6 +148,15 @@ class Drafter(ABC):
         report unless a drafter has something to say."""
         return DrafterStats()
 
+    def drafting_seconds(self, measured: float) -> float:
+        """What a step's drafting cost, for its pacing (paced.Paced): `measured` is the wall time of its propose and
+        observe, which a drafter that knows better may replace."""
+        return measured
+
+    def parts(self) -> tuple["Drafter", ...]:
+        """The drafters it drafts through (a composite drafter's sources); none for a drafter of its own."""
+        return ()
+
 
 @dataclass(frozen=True)
 class DrafterEntry:
@@ -161,9 +166,6 @@ class DrafterEntry:
     config_cls: type | None  # the config of its trained heads or tuned data; None = parameter-free
     recipe: str | None  # "module:function" of its training recipe, None = not trainable with `selfspec train`
     composite: bool = False  # drafts through other registered drafters (its sources), e.g. `auto`
-    # Weighs its own drafting cost (its draft length follows its measured acceptance, or it paces its sources): the
-    # loop's DraftPacer does not pause it (selfspec.pacing).
-    paces_itself: bool = False
 
     @property
     def has_artifacts(self) -> bool:
@@ -180,14 +182,13 @@ def register_drafter(
     config: type | None = None,
     recipe: str | None = None,
     composite: bool = False,
-    paces_itself: bool = False,
 ) -> Callable[[type[Drafter]], type[Drafter]]:
     def decorate(cls: type[Drafter]) -> type[Drafter]:
         if name in _REGISTRY and _REGISTRY[name].drafter_cls is not cls:
             raise ValueError(f"drafter name '{name}' is already registered to {_REGISTRY[name].drafter_cls.__name__}")
         options()  # fail at registration, not at first use, if an options field lacks a default
         cls.name = name
-        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite, paces_itself)
+        _REGISTRY[name] = DrafterEntry(name, cls, options, config, recipe, composite)
         return cls
 
     return decorate
@@ -200,13 +201,6 @@ def unregister_drafter(name: str) -> None:
 
 def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def paces_itself(drafter: Drafter) -> bool:
-    """Whether the loop leaves the drafter's pacing to it (its registration says so; an unregistered drafter is paced
-    by the loop)."""
-    entry = _REGISTRY.get(drafter.name)
-    return entry is not None and entry.paces_itself
 
 
 def drafter_entry(name: str) -> DrafterEntry:

@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import SelfspecError
 from ..files import atomic_directory
 from ..models import Target
-from .artifacts import CONFIG, WEIGHTS, HeadArtifact, load_state_strict, load_vocab_head, save_head
+from .artifacts import CONFIG, WEIGHTS, HeadArtifact, load_state_strict, load_vocab_head, read_weights, save_head
 
 SPECULATORS_VERSION = (
     "0.9.0"  # the speculators release whose format this follows (checked by tests/test_speculators.py)
@@ -147,7 +146,7 @@ def read_speculators(directory: Path, target: Target, kind: str, expected_layer:
         wrong.append(f"target_hidden_size {document['target_hidden_size']!r} (this model: {target.config.hidden_size})")
     if wrong:
         raise SelfspecError(f"{where} was made for another base model: {'; '.join(wrong)}")
-    state = _read_weights(directory / WEIGHTS)
+    state, _ = read_weights(directory / WEIGHTS)
     draft_vocab = _draft_vocab(state, target.vocab_size, where)
     embeddings = state.pop("embed_tokens.weight", None)
     if embeddings is not None and not _close(embeddings, target.model.get_input_embeddings().weight):
@@ -184,16 +183,6 @@ def read_speculators(directory: Path, target: Target, kind: str, expected_layer:
         verifier,
         own_lm_head,
     )
-
-
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise SelfspecError(f"'{path.parent}' has no {path.name} (a sharded or .bin checkpoint is not supported)")
-    try:
-        with safe_open(str(path), framework="pt") as file:
-            return {name: file.get_tensor(name) for name in file.keys()}
-    except (SafetensorError, OSError) as error:
-        raise SelfspecError(f"{path} is unreadable ({error})") from None
 
 
 def _draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, where: str) -> torch.Tensor:

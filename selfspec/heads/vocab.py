@@ -22,10 +22,10 @@ import torch
 from ..cost import CostCurve
 from ..execution import ExecutionPath, pack_weight, packed_linear
 from ..models import Target
-from ..pacing import AcceptanceCalibration
 from ..tree_attention import DraftTree
 from .artifacts import HeadArtifact, LoadedHead, load_vocab_head
 from .base import Drafter, DrafterStats, Observation, drafter_entry
+from .calibration import AcceptanceCalibration
 from .speculators import load_imported, speculators_type
 
 

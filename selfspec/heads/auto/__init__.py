@@ -9,10 +9,10 @@ deterministic candidates, so the verifier's rules keep the output exactly the ta
 
 After the step every source observes the committed tokens and hidden states as usual, with its own tree and the
 part of the accepted path that lay in its own tree, so its caches and statistics stay its own whichever source's
-path won. A source whose earned tokens fall below its drafting time (in plain target steps) is skipped for a while,
-in proportion to the time it lost (the loop's own rule, pacing.PAUSE_RULE, applied per source, so the loop does not
-pause `auto` as a whole: a free source such as prompt lookup keeps drafting while a costly head rests); skipped
-sources still observe every step.
+path won. Each source is paced by the wrapper every drafter is paced by (`Paced`, heads/paced.py): a source whose
+earned tokens (the accepted ones no other source proposed) fall below its drafting time, in plain target steps, is
+skipped for a while in proportion to the time it lost, so a free source such as prompt lookup keeps drafting while a
+costly head rests; `auto` as a whole is never paused. Skipped sources still observe every step.
 
 Modules: merging.py (the merged tree, the way back to each source's own), rates.py (the acceptance estimates),
 sources.py (which sources join, and what each earned for its pacing), drafter.py (the options and the drafter).

@@ -3,8 +3,7 @@ observes its own view of the step."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...cost import CostCurve
@@ -12,6 +11,7 @@ from ...errors import SelfspecError
 from ...models import Target
 from ...tree_attention import DraftTree
 from ..base import Drafter, DrafterStats, DraftRequest, Observation, register_drafter
+from ..paced import Paced, PlainStep
 from .merging import merge_trees, own_accepted_path, select_nodes, tree_of
 from .rates import SourceRates
 from .sources import earned_tokens, load_sources, proposers
@@ -43,15 +43,15 @@ class AutoOptions:
 class _Proposal:
     """One asked source's part in the step."""
 
-    tree: DraftTree
+    tree: DraftTree  # root only where its pacing skipped it this step
     merged: list[int]  # the source's node index -> the merged tree's node index (-1 where pruned)
-    seconds: float  # its propose() time
 
 
-# It paces itself: per source (pacing.SourcePacing, in each source's own record), so the loop does not pause it whole.
-@register_drafter("auto", options=AutoOptions, composite=True, paces_itself=True)
+@register_drafter("auto", options=AutoOptions, composite=True)
 class AutoDrafter(Drafter):
-    """One tree a step from its sources (the package docstring says how); `sources` are drafters it loaded."""
+    """One tree a step from its sources (the package docstring says how); `sources` are drafters it loaded. Each
+    source is paced on its own (a `Paced` wrapper, on the plain-step estimate `auto` measures for them all), so a free
+    source keeps drafting while a costly one rests; `auto` as a whole is never paused (`parts`)."""
 
     def __init__(
         self,
@@ -64,12 +64,13 @@ class AutoDrafter(Drafter):
         super().__init__(target, cost_curve, options)
         if not sources:
             raise SelfspecError("auto: no source drafter could be loaded")
-        self.sources = sources
+        self.plain_step = PlainStep()  # measured around the merged trees, read by every source's pacing
+        self.sources = {name: Paced(source, self.plain_step) for name, source in sources.items()}
         self.hidden_layers = tuple(sorted({layer for source in sources.values() for layer in source.hidden_layers}))
         self.accepted_by_source: dict[str, int] = {name: 0 for name in sources}  # over the drafter's life
         self.left_out = dict(left_out or {})  # default sources not loaded, and why
         # The acceptance estimates start afresh each request, from the source's record over the earlier ones (bounded:
-        # see SourceRates). Whether a source pays is pacing's, in the source's own record (Pacing.source).
+        # see SourceRates). Whether a source pays is its wrapper's (Paced).
         self.max_depth = options.max_nodes - 1  # of the merged tree, so of any node a source gets verified
         self.lifetime_rates = {name: SourceRates(options.prior_weight, self.max_depth) for name in sources}
         self.reset()
@@ -100,49 +101,48 @@ class AutoDrafter(Drafter):
         }
         self.proposals: dict[str, _Proposal] = {}
 
+    def parts(self) -> tuple[Drafter, ...]:
+        return tuple(self.sources.values())
+
     def stats(self) -> DrafterStats:
         """Accepted draft tokens by source over the drafter's life, and the default sources left out."""
         return DrafterStats(accepted_by_source=dict(self.accepted_by_source), left_out=dict(self.left_out))
 
     def propose(self, request: DraftRequest) -> DraftTree:
         self.proposals = {}
+        self.plain_step.forget_step()
         if request.max_depth <= 0:
             return DraftTree.root_only(request.root_token)
-        trees, seconds = {}, {}
-        for name, source in self.sources.items():
-            own = request.pacing.source(name)
-            if own.ask():
-                start = time.perf_counter()
-                trees[name] = source.propose(replace(request, pacing=own))
-                seconds[name] = time.perf_counter() - start
+        trees = {name: source.propose(request) for name, source in self.sources.items()}
         paths, scores, node_paths = merge_trees(request.root_token, trees, self.rates)
         kept = [()] + select_nodes(paths, scores, self.cost_curve, self.options.max_nodes)
         index_of = {path: i for i, path in enumerate(kept)}
         for name, tree in trees.items():
-            merged = [index_of.get(path, -1) for path in node_paths[name]]
-            self.proposals[name] = _Proposal(tree, merged, seconds[name])
+            self.proposals[name] = _Proposal(tree, [index_of.get(path, -1) for path in node_paths[name]])
+        self.plain_step.proposed()
         return tree_of(request.root_token, kept)
 
     def observe(self, observation: Observation) -> None:
         """Every source observes the step with its own tree and the part of the accepted path that lay in it (the
-        tokens and hidden states are what was committed); a source not asked this step, with a root-only tree."""
-        pacing = observation.pacing
+        tokens and hidden states are what was committed); a source not asked this step, with a root-only tree. Each
+        source's pacing is credited with what it earned: the accepted tokens no other source proposed."""
         if observation.tree is None:  # the prefill
-            for name, source in self.sources.items():
-                source.observe(replace(observation, pacing=pacing.source(name)))
+            for source in self.sources.values():
+                source.observe(observation)
             return
+        self.plain_step.observed(observation.tree.size, self.cost_curve)
         accepted = set(observation.accepted_path)
         proposed_by = proposers(proposal.merged for proposal in self.proposals.values())
         for name, source in self.sources.items():
-            own, proposal = pacing.source(name), self.proposals.get(name)
+            proposal, earned = self.proposals.get(name), 0
             if proposal is None:
                 tree, own_path = DraftTree.root_only(observation.tree.token_list[0]), (0,)
             else:
                 tree, own_path = proposal.tree, own_accepted_path(proposal.tree, proposal.merged, accepted)
                 self.accepted_by_source[name] += len(own_path) - 1
                 self._learn(name, proposal, own_path)
-                own.earned(earned_tokens(accepted, proposal.merged, proposed_by), proposal.seconds)
-            source.observe(Observation(observation.new_tokens, observation.hidden, tree, own_path, own))
+                earned = earned_tokens(accepted, proposal.merged, proposed_by)
+            source.observe(Observation(observation.new_tokens, observation.hidden, tree, own_path), earned=earned)
         self.proposals = {}
 
     def _learn(self, name: str, proposal: _Proposal, own_path: tuple[int, ...]) -> None:

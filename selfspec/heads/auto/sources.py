@@ -74,6 +74,6 @@ def proposers(merged_maps: Iterable[list[int]]) -> dict[int, int]:
 
 
 def earned_tokens(accepted: set[int], merged: list[int], proposed_by: dict[int, int]) -> int:
-    """What a source earned in a step, for its pacing (`SourcePacing`): what the tree would have lacked without it,
+    """What a source earned in a step, for its pacing (`Paced`): what the tree would have lacked without it,
     the accepted nodes no other asked source proposed (a token two sources proposed would have been there anyway)."""
     return sum(1 for node in accepted.intersection(merged) if node > 0 and proposed_by[node] == 1)

@@ -6,10 +6,10 @@ autoregressively and stops when its top-1 probability falls under a threshold th
 rate; where it is unsure it can add its top-2 token as a sibling leaf. Its KV cache holds only the layers it runs,
 for the committed tokens and the chain it drafted; after verification it is cut back to what was committed.
 
-A draft token costs a forward through most of the target, so the drafter times its own one-token forwards against
-the target's plain step (`selfspec.pacing.DraftCost`, kept in the drafter's pacing record, not on the drafter): where
-one costs a whole plain step or more, no draft token can pay for itself (it is accepted at most once), and it stops
-drafting for good (`dormant`) instead of paying probes forever.
+A draft token costs a forward through most of the target. Its pacing (`Paced`, heads/paced.py) weighs that time
+against the target's plain step: where a draft forward costs a whole plain step or more, no draft token can pay for
+itself (it is accepted at most once), and the pause rule rests it for long stretches instead of paying probes at every
+step.
 
 Skip sets are data: `selfspec tune layerskip` searches them (Optuna) and writes a JSON file keyed by the model's
 fingerprint, which this drafter finds by itself. `skip=every-other` uses the hand-made baseline instead.

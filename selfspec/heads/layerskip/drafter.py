@@ -1,10 +1,9 @@
-"""The `layerskip` drafter: an adaptive chain (and top-2 leaves) from the skipping forward. What a draft token costs
-against a plain target step is pacing's (selfspec.pacing.DraftCost, in the drafter's pacing record): the drafter times
-its one-token forwards there and stops drafting while the record says it can never pay (`dormant`)."""
+"""The `layerskip` drafter: an adaptive chain (and top-2 leaves) from the skipping forward. Whether its draft forwards
+pay for themselves against plain target steps is its pacing's (paced.Paced, which times them with the rest of its
+drafting), not the drafter's."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -99,18 +98,15 @@ class LayerSkipDrafter(Drafter):
     def propose(self, request: DraftRequest) -> DraftTree:
         self.drafted = 0
         limit = min(self.settings.max_draft, request.max_depth)
-        if limit <= 0 or request.pacing.dormant:
+        if limit <= 0:
             return DraftTree.root_only(request.root_token)
         tokens, parents = [request.root_token], [-1]
         chain_node = 0  # the deepest chain node so far; sibling leaves are never continued
-        single_start, singles = 0.0, 0  # the one-token draft forwards after the catch-up, timed (pacing.DraftCost)
         with torch.inference_mode():
             logits = self._draft_logits(self.committed[len(self.cached) :])  # the root, and any token not yet seen
             for depth in range(1, limit + 1):
                 top = torch.softmax(logits.float(), dim=-1).topk(2)
                 top_probs = top.values.tolist()  # one host sync per drafted token
-                if depth == 1:
-                    single_start = time.perf_counter()
                 if top_probs[0] < self.threshold:
                     break
                 top_ids = self.forward.to_target_ids(top.indices).tolist()
@@ -125,6 +121,4 @@ class LayerSkipDrafter(Drafter):
                 if depth == limit:
                     break
                 logits = self._draft_logits([top_ids[0]])
-                singles += 1
-        request.pacing.draft_cost.drafted(time.perf_counter() - single_start, singles)
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))

@@ -40,7 +40,7 @@ class HistoryOptions(NgramOptions):
             raise SelfspecError(f"history: max_tokens must be >= 1, got {self.max_tokens}")
 
 
-@register_drafter("history", options=HistoryOptions, paces_itself=True)  # as ngram does
+@register_drafter("history", options=HistoryOptions)
 class HistoryDrafter(NgramDrafter):
     def __init__(self, target: Target, cost_curve: CostCurve, options: HistoryOptions = HistoryOptions()):
         self.max_tokens = options.max_tokens

@@ -13,9 +13,9 @@ from typing import ClassVar
 from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target
-from ...pacing import AcceptanceCalibration
 from ...tree_attention import DraftTree
 from ..base import Drafter, DraftRequest, Observation, register_drafter
+from ..calibration import AcceptanceCalibration
 
 _PRIOR_WEIGHT = 4.0  # drafted tokens the prior acceptance estimate is worth
 
@@ -76,9 +76,7 @@ class TokenIndex:
         return paths
 
 
-# It paces itself: its draft length already follows its measured acceptance on the cost curve (0 when drafting would
-# not pay), and a lookup is a dict access: the loop's probe-and-pause would only miss the stretches it copies.
-@register_drafter("ngram", options=NgramOptions, paces_itself=True)
+@register_drafter("ngram", options=NgramOptions)
 class NgramDrafter(Drafter):
     def __init__(self, target: Target, cost_curve: CostCurve, options: NgramOptions = NgramOptions()):
         super().__init__(target, cost_curve, options)
@@ -120,6 +118,13 @@ class NgramDrafter(Drafter):
             paths.pop()
             tree = DraftTree.from_paths(request.root_token, paths)
         return tree
+
+    def drafting_seconds(self, measured: float) -> float:
+        """None to speak of: a lookup is a dict access (microseconds), so the clock around it shows the machine's stalls
+        (a preemption, a garbage collection), not its cost; pausing it for those would only miss the stretches it
+        copies. Its draft length already follows its measured acceptance on the cost curve (0 where it would not
+        pay)."""
+        return 0.0
 
     def observe(self, observation: Observation) -> None:
         if observation.tree is not None and observation.tree.size > 1:
