@@ -78,6 +78,15 @@ def check_settings(max_new_tokens: int, seed: int = 0) -> None:
         raise SelfspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
 
 
+def check_prompt_length(length: int, context_limit: int) -> None:
+    """A prompt of `length` tokens must leave room for at least one generated token."""
+    if length >= context_limit:
+        raise SelfspecError(
+            f"the prompt is {length} tokens, which leaves no room in the model's context of "
+            f"{context_limit} tokens: shorten the prompt"
+        )
+
+
 def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:
     """Check the request up front; returns input_ids as [1, L] long on the target's device."""
     check_settings(max_new_tokens, seed)
@@ -89,11 +98,7 @@ def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: in
     length = input_ids.shape[1]
     if length == 0:
         raise SelfspecError("the prompt is empty: pass at least one token")
-    if length >= target.context_limit:
-        raise SelfspecError(
-            f"the prompt is {length} tokens, which leaves no room in the model's context of "
-            f"{target.context_limit} tokens: shorten the prompt"
-        )
+    check_prompt_length(length, target.context_limit)
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= target.vocab_size:
         raise SelfspecError(f"input_ids hold token ids outside the vocabulary [0, {target.vocab_size})")
     return input_ids.to(target.device)

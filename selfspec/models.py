@@ -181,26 +181,17 @@ class Target:
     def encode_prompt(self, prompt: str, chat: bool = True) -> torch.Tensor:
         """Prompt text -> input ids [1, L]; chat prompts go through the model's own chat template."""
         check_prompt(prompt)
-        if chat:
-            return self.encode_messages([{"role": "user", "content": prompt}])
         self._require_tokenizer()
-        return torch.tensor([self.tokenizer(prompt)["input_ids"]], dtype=torch.long)
+        return torch.tensor([prompt_ids(self.tokenizer, prompt, chat)], dtype=torch.long)
 
     def encode_messages(self, messages: list[dict]) -> torch.Tensor:
         """Chat messages ({role, content}) -> input ids [1, L] through the chat template, ready for the assistant."""
         return torch.tensor([self.render_chat(messages, add_generation_prompt=True)], dtype=torch.long)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """The one chat renderer, for serving and for training data alike: the model's own chat template, or, for a
-        tokenizer without one, the contents joined by newlines (a newline after the last one when a reply follows)."""
+        """The one chat renderer, for serving and for training data alike (render_chat_with)."""
         self._require_tokenizer()
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        text = "\n".join(message["content"] for message in messages) + ("\n" if add_generation_prompt else "")
-        return self.tokenizer(text)["input_ids"]
+        return render_chat_with(self.tokenizer, messages, add_generation_prompt)
 
     def _require_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -228,6 +219,46 @@ ENVIRONMENT_DEFAULTS = {
     # how much: memory.py).
     **{name: str(KERNEL_CACHE_ENTRIES) for name in KERNEL_CACHE_VARIABLES},
 }
+
+
+def render_chat_with(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The model's own chat template, or, for a tokenizer without one, the contents joined by newlines (a newline after
+    the last one when a reply follows)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = "\n".join(message["content"] for message in messages) + ("\n" if add_generation_prompt else "")
+    return tokenizer(text)["input_ids"]
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """A prompt's token ids: as the user's message through the chat template, or as it is."""
+    if chat:
+        return render_chat_with(tokenizer, [{"role": "user", "content": prompt}], True)
+    return tokenizer(prompt)["input_ids"]
+
+
+UNCOUNTED_PROMPT_BYTES = 2048  # a prompt this short fits any context the default model could have (a token >= 1 byte)
+
+
+def check_default_prompt_fits(spec: str, prompt: str, chat: bool) -> None:
+    """Before the default model's first conversion (seconds of de-quantising and writing), a prompt that might not fit
+    its context is counted with the tokenizer and the context read from the GGUF alone, so a too-long prompt is one
+    line before any conversion. Anything else (another model, a converted one, a short prompt) is checked when the
+    model has loaded, as every request is."""
+    from transformers import AutoConfig
+
+    from .decoding import check_prompt_length
+
+    converted = _is_complete_checkpoint(cache_root() / "models" / DEFAULT_MODEL_NAME)
+    if str(spec) != DEFAULT_MODEL or converted or len(prompt.encode("utf-8")) < UNCOUNTED_PROMPT_BYTES:
+        return
+    gguf_file = default_gguf_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    check_prompt_length(len(prompt_ids(tokenizer, prompt, chat)), config.max_position_embeddings)
 
 
 def check_prompt(prompt: str) -> None:

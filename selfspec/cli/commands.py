@@ -40,7 +40,10 @@ def _check_request(args, prompt: str | None = None) -> None:
 
 
 def _generate(args) -> None:
+    from ..models import check_default_prompt_fits
+
     _check_request(args, args.prompt)
+    check_default_prompt_fits(args.model, args.prompt, chat=not args.raw)
     spec = _load_spec(args)
     result = spec.generate(
         prompt=args.prompt,
