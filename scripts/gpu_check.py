@@ -18,10 +18,10 @@ from selfspec.bench.prompts import load_prompt_set
 from selfspec.cost import measure_cost_curve
 
 
-def timed(fn):
+def timed(fn, *args):
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     torch.cuda.synchronize()
     return out, time.perf_counter() - start
 
@@ -43,13 +43,11 @@ def check(target, prompts, max_new_tokens: int) -> dict:
     forwards = {"none": 0, "ngram": 0}
     for x in ids:
         with torch.inference_mode():
-            reference, wall = timed(lambda: hf_generate(x))
+            reference, wall = timed(hf_generate, x)
         totals["hf"][0] += len(reference)
         totals["hf"][1] += wall
         for name, drafter in drafters.items():
-            (tokens, stats), wall = timed(
-                lambda: speculative_generate(target, drafter, x, max_new_tokens, SamplingConfig())
-            )
+            (tokens, stats), wall = timed(speculative_generate, target, drafter, x, max_new_tokens, SamplingConfig())
             totals[name][0] += len(tokens)
             totals[name][1] += wall
             forwards[name] += stats.target_forwards
@@ -80,7 +78,7 @@ def main() -> None:
         name = str(dtype).replace("torch.", "")
         report[name] = check(target, prompts, max_new_tokens)
         curve = measure_cost_curve(target, cache_length=512, repeats=9)
-        report[name]["cost_curve"] = dict(zip(curve.sizes, curve.relative_cost))
+        report[name]["cost_curve"] = dict(zip(curve.sizes, curve.relative_cost, strict=True))
         print(name, json.dumps(report[name]), flush=True)
         del target
         torch.cuda.empty_cache()

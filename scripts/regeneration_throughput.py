@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
                     "new_tokens": tokens[engine],
                     "seconds": round(seconds[engine], 1),
                     "new_tokens_per_s": round(tokens[engine] / max(seconds[engine], 1e-9), 1),
-                    f"replies_identical_to_{first}": sum(a == b for a, b in zip(replies[engine], replies[first])),
+                    f"replies_identical_to_{first}": sum(
+                        a == b for a, b in zip(replies[engine], replies[first], strict=True)
+                    ),
                 }
             )
             tqdm.write(json.dumps(rows[-1]))

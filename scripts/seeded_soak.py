@@ -36,7 +36,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.95)
 def prompts(count: int) -> list[str]:
     per_set = -(-count // 3)
     sets = [load_prompt_set(name, per_set) for name in ("mtbench", "humaneval", "sharegpt")]
-    mixed = [item.text for group in zip(*sets) for item in group]
+    mixed = [item.text for group in zip(*sets, strict=False) for item in group]
     return mixed[:count]
 
 
@@ -52,12 +52,12 @@ def drafters_agree(target, texts: list[str], max_new_tokens: int) -> dict:
         taus[name] = sum(run.stats.new_tokens for run in runs) / sum(run.stats.target_forwards for run in runs)
         print(
             f"{name:8s} tau {taus[name]:.2f}  same as none on "
-            f"{sum(a == b for a, b in zip(outputs[name], outputs['none']))}/{len(texts)}",
+            f"{sum(a == b for a, b in zip(outputs[name], outputs['none'], strict=True))}/{len(texts)}",
             flush=True,
         )
     return {
         name: {
-            "same_as_none": sum(a == b for a, b in zip(outputs[name], outputs["none"])),
+            "same_as_none": sum(a == b for a, b in zip(outputs[name], outputs["none"], strict=True)),
             "prompts": len(texts),
             "tau": round(taus[name], 3),
         }

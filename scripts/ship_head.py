@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             evaluation = greedy_continuations(target, work, args.eval_prompts, args.max_new_tokens)
             before = chain_accuracy(target, kind, source, evaluation)
             after = chain_accuracy(target, kind, candidate, evaluation)
-            largest = max(abs(a - b) for name in before for a, b in zip(before[name], after[name]))
+            largest = max(abs(a - b) for name in before for a, b in zip(before[name], after[name], strict=True))
             shipped["bfloat16_check"] = {
                 "prompts_per_set": args.eval_prompts,
                 "max_new_tokens": args.max_new_tokens,

@@ -48,7 +48,9 @@ class CostCurve:
         sizes, costs = self.sizes, self.relative_cost
         if n <= sizes[0]:
             return costs[0]
-        for (n0, c0), (n1, c1) in zip(zip(sizes, costs), zip(sizes[1:], costs[1:])):
+        for (n0, c0), (n1, c1) in zip(
+            zip(sizes, costs, strict=True), zip(sizes[1:], costs[1:], strict=True), strict=False
+        ):
             if n <= n1:
                 return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])

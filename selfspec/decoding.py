@@ -17,7 +17,7 @@ from .heads.base import Drafter, DraftRequest, Observation
 from .heads.paced import request_pacing
 from .models import Target
 from .sampling import SamplingConfig, StepDraws
-from .tree_attention import build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
+from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         """Accepted draft tokens over drafted depth positions (steps that drafted nothing are left out)."""
-        drafted = [(a, s) for a, s in zip(self.accepted_lengths, self.tree_sizes) if s > 1]
+        drafted = [(a, s) for a, s in zip(self.accepted_lengths, self.tree_sizes, strict=True) if s > 1]
         return sum(a - 1 for a, _ in drafted) / max(1, sum(s - 1 for _, s in drafted))
 
     @property
@@ -162,11 +162,7 @@ def _generate(
             budget = min(max_new_tokens - len(new_tokens), target.context_limit - len(committed))
             # 2. Propose, within what the loop can still emit this step (a paused drafter proposes the root alone).
             tree = drafter.propose(DraftRequest(committed[-1], budget - 1, sampling, generator)).pruned(budget - 1)
-            if tree.token_list[0] != committed[-1]:
-                raise SelfspecError(
-                    f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
-                    f"last committed token {committed[-1]}: node 0 must be DraftRequest.root_token"
-                )
+            _check_root(drafter, tree, committed[-1])
             forward_start = time.perf_counter()
             # 3. One target forward over the tree, after the cached prefix.
             inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
@@ -194,8 +190,7 @@ def _generate(
                 break
             # 6. Let the drafter see what was committed (and the accepted path's hidden states).
             observe_start = time.perf_counter()
-            path = torch.tensor(result.accepted_path, device=device)
-            hidden = {layer: states.index_select(0, path) for layer, states in output.hidden.items()}
+            hidden = _path_rows(output.hidden, result.accepted_path, device)
             drafter.observe(Observation(emitted, hidden, tree, result.accepted_path))
             draft_s += time.perf_counter() - observe_start  # the drafter's bookkeeping of the result
     stats = GenerationStats(
@@ -212,3 +207,17 @@ def _generate(
         kernels=kernels,
     )
     return tuple(new_tokens), stats
+
+
+def _check_root(drafter: Drafter, tree: DraftTree, root_token: int) -> None:
+    if tree.token_list[0] != root_token:
+        raise SelfspecError(
+            f"drafter '{drafter.name}' rooted its tree at token {tree.token_list[0]}, not at the "
+            f"last committed token {root_token}: node 0 must be DraftRequest.root_token"
+        )
+
+
+def _path_rows(hidden: dict[int, torch.Tensor], accepted_path: tuple[int, ...], device) -> dict[int, torch.Tensor]:
+    """Each layer's hidden states ([tree size, H]) at the accepted path's nodes only ([len(path), H])."""
+    path = torch.tensor(accepted_path, device=device)
+    return {layer: states.index_select(0, path) for layer, states in hidden.items()}

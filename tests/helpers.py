@@ -375,7 +375,7 @@ def _random_eagle_family_head(head_cls, config_cls, target, draft_vocab, seed, c
     )
     torch.manual_seed(seed)
     head = head_cls(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
-    for name, parameter in head.named_parameters():
+    for _name, parameter in head.named_parameters():
         if parameter.dim() > 1:
             torch.nn.init.normal_(parameter, std=0.3)
         elif norms:  # so a mix-up of EAGLE-3's two input norms or of its final norm shows
@@ -412,7 +412,7 @@ def random_dflash_head(target, draft_vocab=None, seed=0, **config):
     )
     torch.manual_seed(seed)
     head = DFlashHead(config, target, torch.arange(target.vocab_size) if draft_vocab is None else draft_vocab)
-    for name, parameter in head.named_parameters():
+    for _name, parameter in head.named_parameters():
         if parameter.dim() > 1:
             torch.nn.init.normal_(parameter, std=0.3)
         else:

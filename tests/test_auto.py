@@ -148,7 +148,7 @@ def test_sources_keep_their_own_state_when_another_source_wins(tmp_path, oracle_
         source.drafter.observe = spy
     tokens, stats = speculative_generate(target, auto, torch.tensor(prompt), 24, pace=False)
     assert list(tokens) == reference
-    for name, observations in seen.items():
+    for observations in seen.values():
         committed = [t for observation in observations[1:] for t in observation.new_tokens]
         assert committed == list(tokens[: len(committed)])  # every source saw every committed token
         for own in observations[1:]:  # its own tree, and the part of the accepted path that lay in it

@@ -102,12 +102,12 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, mon
                 steps = single, two, tree
                 results[name] = steps, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     assert ran == [small_graph, small_graph, "tree"]
-    for compiled_step, fast_step in zip(results["compiled"][0], results["fast"][0]):
+    for compiled_step, fast_step in zip(results["compiled"][0], results["fast"][0], strict=True):
         torch.testing.assert_close(compiled_step.logits, fast_step.logits, atol=1e-4, rtol=1e-4)
         for layer in (0, 2):
             torch.testing.assert_close(compiled_step.hidden[layer], fast_step.hidden[layer], atol=1e-4, rtol=1e-4)
     assert results["compiled"][1][0][0].shape[-2] == len(LONG_PROMPT) + 3 + 3
-    for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][1], results["fast"][1]):
+    for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][1], results["fast"][1], strict=True):
         torch.testing.assert_close(keys, fast_keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, fast_values, atol=1e-5, rtol=1e-5)
 

@@ -103,9 +103,9 @@ def test_the_mix_is_the_same_on_every_call_and_whatever_the_regeneration_file_or
     lines = path.read_text().splitlines()
     path.write_text("".join(line + "\n" for line in reversed(lines)))
     again = prepare_examples(target, config)
-    for part, repeated in zip(first, again):
+    for part, repeated in zip(first, again, strict=True):
         assert ids_and_kinds(part) == ids_and_kinds(repeated)
-        assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(part, repeated))
+        assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(part, repeated, strict=True))
     training = first[0]
     # Seeded, not sorted by kind: both kinds within the first few training sequences (the streamed labels' sample).
     assert {e.kind for e in training[:8]} == {"regenerated", "original"}
@@ -211,13 +211,13 @@ def test_tokenized_examples_are_kept_in_the_work_dir_and_reused_only_for_the_sam
     monkeypatch.setattr(stages, "tokenize_conversation", lambda *args: calls.append(args[1].id) or real(*args))
     again = prepare_examples(target, config)  # a resumed run: nothing tokenized again, the same examples
     assert calls == []
-    for part, repeated in zip(first, again):
+    for part, repeated in zip(first, again, strict=True):
         assert ids_and_kinds(part) == ids_and_kinds(repeated)
         assert all(
             torch.equal(a.input_ids, b.input_ids) and a.input_ids.dtype == b.input_ids.dtype
-            for a, b in zip(part, repeated)
+            for a, b in zip(part, repeated, strict=True)
         )
-        assert all(torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(part, repeated))
+        assert all(torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(part, repeated, strict=True))
     shorter = replace(config, data=replace(config.data, max_length=config.data.max_length - 8))
     cut = prepare_examples(target, shorter)  # other inputs: tokenized afresh, never the stored ones
     assert calls and max(len(e.input_ids) for e in cut[0] + cut[1]) <= shorter.data.max_length
@@ -237,7 +237,7 @@ def test_tokenizing_stops_at_the_cut_and_a_worker_pool_gives_the_same_examples(t
     conversations = []
     for index in range(40):
         turns = []
-        for turn in range(rng.randint(1, 6)):
+        for _turn in range(rng.randint(1, 6)):
             turns.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 9)))})
             turns.append(
                 {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))}

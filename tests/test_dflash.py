@@ -100,7 +100,7 @@ def test_the_drafter_starts_from_the_target_top_layers(family):
     )
     head.init_from_target(target)
     top = target.model.model.layers
-    for own, source in zip(head.layers, top[1:]):
+    for own, source in zip(head.layers, top[1:], strict=True):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
             assert torch.equal(own.get_submodule(name).weight, source.get_submodule(name).weight)
         torch.testing.assert_close(own.input_layernorm.weight, source.input_layernorm.weight, atol=1e-5, rtol=1e-5)

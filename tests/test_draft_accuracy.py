@@ -22,7 +22,7 @@ def test_continuations_are_the_targets_greedy_ones_and_are_cached(tiny_checkpoin
         assert sequence[prompt_length:].tolist() == hf_greedy(target, prompt, 6)
     monkeypatch.setattr(draft_accuracy, "speculative_generate", None)  # a second call must not decode
     again = greedy_continuations(target, tmp_path, 1, 6)
-    assert all(torch.equal(a[0], b[0]) for name in sets for a, b in zip(sets[name], again[name]))
+    assert all(torch.equal(a[0], b[0]) for name in sets for a, b in zip(sets[name], again[name], strict=True))
 
 
 def test_chain_accuracies_are_probabilities_that_shrink_with_depth(tiny_checkpoint, tmp_path):

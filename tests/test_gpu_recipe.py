@@ -52,7 +52,7 @@ def test_make_heads_gpu_runs_at_a_tiny_scale_on_the_cpu(tmp_path, tiny_checkpoin
         assert main(command + ["--model", str(tiny_checkpoint)]) == 0
     runs = tmp_path / "runs" / "gpu-heads"
     assert sorted(p.name for p in runs.iterdir()) == ["dflash-smollm2-tiny", "eagle3-smollm2-tiny", "work-tiny"]
-    for name, drafter in zip(("eagle3-smollm2-tiny", "dflash-smollm2-tiny"), ("eagle3", "dflash")):
+    for name, drafter in zip(("eagle3-smollm2-tiny", "dflash-smollm2-tiny"), ("eagle3", "dflash"), strict=True):
         report = json.loads((runs / name / "training_report.json").read_text())
         assert report["drafter"] == drafter and report["steps"] == 4 and report["heldout"]["prompts"] == 1
         throughput = report["throughput"]

@@ -45,7 +45,7 @@ def test_every_token_sits_at_the_position_it_has_when_its_prompt_runs_alone(monk
     prefills = [(ids, positions) for ids, positions in calls if ids.shape[1] > 1]
     assert len(prefills) > 1
     for ids, positions in prefills:
-        for row_ids, row_positions in zip(ids.tolist(), positions.tolist()):
+        for row_ids, row_positions in zip(ids.tolist(), positions.tolist(), strict=True):
             start = next(i for i, token in enumerate(row_ids) if token)  # pad is 0; every prompt starts with 1
             assert row_positions[start:] == list(range(len(row_ids) - start))
     decodes = [positions.view(-1).tolist() for ids, positions in calls if ids.shape[1] == 1]

@@ -153,7 +153,7 @@ def test_time_budget_fixes_the_step_count_and_the_schedule_ends_there(tmp_path, 
     resumed, cost[0] = make(), 3.0
     summary = train(resumed, len(sequences), fetch, config, tmp_path / "b", resume=True)
     assert summary.steps == 30 and summary.resumed_from == 10
-    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 

@@ -68,7 +68,7 @@ def test_packed_layers_equal_the_stock_ones(family):
             fast = target.model(tokens, output_hidden_states=True)
     assert linear_types(target.model) == {torch.nn.Linear}
     torch.testing.assert_close(fast.logits, stock.logits, atol=1e-4, rtol=1e-4)
-    for fast_hidden, stock_hidden in zip(fast.hidden_states, stock.hidden_states):
+    for fast_hidden, stock_hidden in zip(fast.hidden_states, stock.hidden_states, strict=True):
         torch.testing.assert_close(fast_hidden, stock_hidden, atol=1e-4, rtol=1e-4)
 
 
@@ -110,7 +110,7 @@ def test_row_dispatch_sends_few_rows_to_the_stock_kernel():
             want = layers[0](hidden) if rows < 3 else packed
             assert torch.equal(single(hidden), want)
             outputs = [member(hidden) for member in shared]
-            for output, layer, member in zip(outputs, layers, shared):
+            for output, layer, _member in zip(outputs, layers, shared, strict=True):
                 if rows < 3:
                     assert torch.equal(output, layer(hidden))
                 else:
@@ -163,7 +163,7 @@ def test_tree_forward_on_the_fast_path_equals_the_stock_one(family):
                 results[name] = output.logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     assert target.config._attn_implementation == "sdpa"  # put back after the block
     torch.testing.assert_close(results["fast"][0], results["stock"][0], atol=1e-4, rtol=1e-4)
-    for (fast_keys, fast_values), (keys, values) in zip(results["fast"][1], results["stock"][1]):
+    for (fast_keys, fast_values), (keys, values) in zip(results["fast"][1], results["stock"][1], strict=True):
         torch.testing.assert_close(fast_keys, keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fast_values, values, atol=1e-5, rtol=1e-5)
 
@@ -191,7 +191,7 @@ def test_the_in_place_cache_equals_a_fresh_prefill_after_compaction_and_growth()
         trim_cache(cache, 100)
         fresh = target.new_cache()
         chunk_forward(target.model, fresh, torch.tensor([committed[:100]]))
-    for layer, reference in zip(cache.layers, fresh.layers):
+    for layer, reference in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(layer.keys, reference.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.values, reference.values, atol=1e-4, rtol=1e-4)
 
@@ -388,7 +388,7 @@ def test_drafter_heads_are_packed_on_the_fast_path_and_compute_the_same(drafter,
             heads["fast"].draft_logits(hidden), heads["stock"].draft_logits(hidden), atol=1e-4, rtol=1e-4
         )
         packed = 0
-        for fast_module, stock_module in zip(heads["fast"].modules(), heads["stock"].modules()):
+        for fast_module, stock_module in zip(heads["fast"].modules(), heads["stock"].modules(), strict=True):
             if isinstance(fast_module, PackedLinear):
                 rows = torch.randn(3, fast_module.in_features)
                 torch.testing.assert_close(fast_module(rows), stock_module(rows), atol=1e-4, rtol=1e-4)

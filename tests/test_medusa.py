@@ -209,7 +209,9 @@ def test_medusa2_decodes_its_own_adapted_copy_and_plain_decoding_beside_it_the_o
     assert (
         list(auto.generate(input_ids=PROMPT, max_new_tokens=16).token_ids) == reference
     )  # auto verifies on the shared one
-    for (name, weight), shared in zip(original.model.state_dict().items(), target.model.state_dict().values()):
+    for (name, weight), shared in zip(
+        original.model.state_dict().items(), target.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(weight, shared), f"{name} of the shared target changed"
     # The copy owns only what the adapter changed (q_proj, v_proj); every other weight is the shared target's memory.
     own = {

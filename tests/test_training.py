@@ -50,7 +50,7 @@ def test_tokenized_conversation_masks_assistant_tokens_only(tiny_checkpoint):
     )
     example = tokenize_conversation(target, conversation, 64)
     tokens = target.tokenizer.convert_ids_to_tokens(example.input_ids.tolist())
-    learned = [t for t, m in zip(tokens, example.loss_mask.tolist()) if m]
+    learned = [t for t, m in zip(tokens, example.loss_mask.tolist(), strict=True) if m]
     assert learned == ["a", "dog", "ran"]
     assert {"the", "cat", "sat"} <= set(tokens[: tokens.index("a")])  # the user turn is rendered, not learned
 
@@ -108,7 +108,7 @@ def test_streamed_labels_are_each_sequences_own_labels_with_no_padding(tiny_chec
     assert sorted(shape for shape, _ in forwards) == [(1, 5), (2, 17), (3, 9)]
     assert all(mask is None for _, mask in forwards)
     forwards.clear()
-    for example, labeled in zip(examples, batch):
+    for example, labeled in zip(examples, batch, strict=True):
         alone = label_sequence(target, example, (-1, 1), top_k=4)
         assert torch.equal(labeled.input_ids, example.input_ids)
         assert torch.equal(labeled.topk_ids.cpu(), alone.topk_ids)
@@ -149,7 +149,7 @@ def test_resume_continues_where_it_stopped(tmp_path, tiny_checkpoint):
     resumed = make()
     summary = train(resumed, len(sequences), sequences.__getitem__, config, tmp_path / "b", resume=True)
     assert summary.resumed_from == 6
-    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -200,11 +200,13 @@ def test_medusa2_trains_lora_and_the_adapted_model_is_the_target(tmp_path, tiny_
     adapted = drafter.target  # the adapter is merged into a copy of the target; the target given stays the original
     changed = [
         name
-        for (name, a), (_, b) in zip(original.model.state_dict().items(), adapted.model.state_dict().items())
+        for (name, a), (_, b) in zip(
+            original.model.state_dict().items(), adapted.model.state_dict().items(), strict=True
+        )
         if not torch.equal(a, b)
     ]
     assert changed and all("q_proj" in n or "v_proj" in n for n in changed)
-    kept = zip(original.model.state_dict().values(), target.model.state_dict().values())
+    kept = zip(original.model.state_dict().values(), target.model.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in kept)
     assert create_drafter("medusa", adapted, heads_dir).target is adapted  # the adapted model is not adapted twice
     again = create_drafter("medusa", target, heads_dir).target  # the original again: a copy adapted the same way

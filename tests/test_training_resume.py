@@ -57,7 +57,7 @@ CONFIG = TrainConfig(
 
 
 def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, left), (_, right) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (name, left), (_, right) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(left, right), name
 
 

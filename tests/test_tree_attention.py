@@ -107,7 +107,7 @@ def test_node_logits_equal_chain_logits_and_compacted_cache_equals_prefill(famil
         fresh = target.new_cache()
         chunk_forward(model, fresh, torch.tensor([prefix[:-1] + [tree.token_list[i] for i in accepted]]))
         assert cache.get_seq_length() == fresh.get_seq_length() == prefix_len + len(accepted)
-        for layer, fresh_layer in zip(cache.layers, fresh.layers):
+        for layer, fresh_layer in zip(cache.layers, fresh.layers, strict=True):
             torch.testing.assert_close(layer.keys, fresh_layer.keys, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(layer.values, fresh_layer.values, rtol=1e-4, atol=1e-5)
 

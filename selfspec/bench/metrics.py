@@ -46,7 +46,9 @@ def acceptance_rate(records: Iterable[RunRecord]) -> float | None:
     records = list(records)
     if all(not r.tree_sizes for r in records):
         return None
-    accepted = sum(length - 1 for r in records for length, size in zip(r.accepted_lengths, r.tree_sizes) if size > 1)
+    accepted = sum(
+        length - 1 for r in records for length, size in zip(r.accepted_lengths, r.tree_sizes, strict=True) if size > 1
+    )
     drafted = sum(size - 1 for r in records for size in r.tree_sizes if size > 1)
     return accepted / drafted if drafted else 0.0
 

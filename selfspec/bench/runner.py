@@ -107,7 +107,7 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
     """The drafter as users run it: a SelfSpec on the shared target, kept across the prompts (its state and pacing
     carry over, as a server's would)."""
     spec = SelfSpec(target, drafter=drafter_spec, heads=heads)
-    spec.drafter  # built now: a drafter that cannot load fails before any prompt runs
+    spec.drafter  # noqa: B018  (built now: a drafter that cannot load fails before any prompt runs)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int, seed: int) -> MethodOutput:
         before = spec.drafter.stats()
@@ -215,12 +215,12 @@ def run_benchmark(
 ) -> list[RunRecord]:
     encoded = [target.encode_prompt(item.text).to(target.device) for item in prompts]  # through the chat template
     target.execution.between_requests()  # a background build of the compiled graphs starts here if one is due
-    for name, method in methods.items():  # warm-up: kernels, allocator, caches
+    for method in methods.values():  # warm-up: kernels, allocator, caches
         method(encoded[0], min(8, settings.max_new_tokens), settings.seed)
     records: list[RunRecord] = []
     names = list(methods)
     bar = tqdm(total=len(prompts) * len(names), desc="bench", unit="run", disable=not progress)
-    for index, (item, input_ids) in enumerate(zip(prompts, encoded)):
+    for index, (item, input_ids) in enumerate(zip(prompts, encoded, strict=True)):
         target.execution.between_requests()  # the compiled path takes over between prompts, once it is stored
         for name in names[index % len(names) :] + names[: index % len(names)]:
             bar.set_postfix_str(f"{item.dataset}:{item.id} {name}")

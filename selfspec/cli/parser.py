@@ -59,7 +59,15 @@ def _add_pace_arg(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selfspec", description="Lossless self-speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_decoding_commands(commands)
+    _add_measuring_commands(commands)
+    _add_training_commands(commands)
+    _add_head_commands(commands)
+    return parser
 
+
+def _add_decoding_commands(commands: argparse._SubParsersAction) -> None:
+    """generate, chat and demo: text from a model"""
     generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
     _add_model_args(generate)
     _add_drafter_args(
@@ -95,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=7860)
     demo.add_argument("--max-new-tokens", type=int, default=128, help="the page's default answer length")
 
+
+def _add_measuring_commands(commands: argparse._SubParsersAction) -> None:
+    """profile, build and bench: what the machine and the drafters measure"""
     profile = commands.add_parser("profile", help="measure and store this machine's verification cost curve")
     _add_model_args(profile)
     profile.add_argument(
@@ -154,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="runs/bench", help="directory for results.json, results.md and charts")
     bench.add_argument("--quick", action="store_true", help="smoke test: 2 prompts per set, 16 new tokens")
 
+
+def _add_training_commands(commands: argparse._SubParsersAction) -> None:
+    """train, tune and medusa-tree: making drafters"""
     train = commands.add_parser(
         "train", help="self-distil a drafter's heads from the target (data, labels, training, eval)"
     )
@@ -227,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-nodes", type=_positive_int, default=64, help="tree candidates to rank (the budget is chosen at run time)"
     )
 
+
+def _add_head_commands(commands: argparse._SubParsersAction) -> None:
+    """export, import and drafters: the heads themselves"""
     export = commands.add_parser(
         "export", help="write eagle3 or dflash heads in another library's format (speculators: vLLM loads it)"
     )
@@ -249,4 +266,3 @@ def build_parser() -> argparse.ArgumentParser:
     imports.add_argument("out", help="the heads directory to write")
 
     commands.add_parser("drafters", help="list the registered drafters")
-    return parser

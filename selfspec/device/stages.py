@@ -218,7 +218,9 @@ def evaluate(args) -> dict:
             for dtype, where in (("float32", directory), ("bfloat16", stored)):
                 head = create_drafter(name, target, where).head.float()
                 figures[dtype] = {set_name: chain(head, set_rows) for set_name, set_rows in rows.items()}
-            changes = [abs(a - b) for s in rows for a, b in zip(figures["float32"][s], figures["bfloat16"][s])]
+            changes = [
+                abs(a - b) for s in rows for a, b in zip(figures["float32"][s], figures["bfloat16"][s], strict=True)
+            ]
             report[name] = {**figures, "largest_bfloat16_change": round(max(changes, default=0.0), 4)}
     return report
 

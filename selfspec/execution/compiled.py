@@ -111,7 +111,9 @@ class _Step(torch.nn.Module):
     def forward(self, input_ids, position_ids, tree_mask, cached_marker, key_stores, value_stores):
         cached, n = cached_marker.shape[1], input_ids.shape[1]
         cache = DynamicCache(config=self.model.config)
-        cache.layers = [_StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores)]
+        cache.layers = [
+            _StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores, strict=True)
+        ]
         mask = torch.cat([tree_mask.new_zeros(1, 1, n, cached), tree_mask], dim=-1)  # the whole cache, then the tree
         output = self.model(
             input_ids=input_ids,

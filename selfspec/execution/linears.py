@@ -82,7 +82,7 @@ class SharedInputProduct:
             ]
             self.bias = None if all(layer.bias is None for layer in layers) else torch.cat(biases).detach()
         ends = torch.tensor([layer.out_features for layer in layers]).cumsum(0).tolist()
-        self.bounds = list(zip([0] + ends[:-1], ends))
+        self.bounds = list(zip([0] + ends[:-1], ends, strict=True))
         self.out_features = ends[-1]
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor | None] = []
@@ -150,7 +150,7 @@ def _shared_input_swaps(module: torch.nn.Module, dispatch: RowDispatch) -> list[
                 product = SharedInputProduct(layers, dispatch)
                 swaps += [
                     ModuleSwap(parent, name, layer, SharedInputLinear(layer, product, index))
-                    for index, (name, layer) in enumerate(zip(names, layers))
+                    for index, (name, layer) in enumerate(zip(names, layers, strict=True))
                 ]
     return swaps
 

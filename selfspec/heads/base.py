@@ -133,14 +133,14 @@ class Drafter(ABC):
         ]
         return self.name + (":" + ",".join(changed) if changed else "")
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027  (a hook: a drafter without per-sequence state keeps the no-op)
         """Forget everything about the previous sequence."""
 
     @abstractmethod
     def propose(self, request: DraftRequest) -> DraftTree:
         """A tree whose root is `request.root_token`, no deeper than `request.max_depth`."""
 
-    def observe(self, observation: Observation) -> None:
+    def observe(self, observation: Observation) -> None:  # noqa: B027  (a hook, as reset is)
         """Update the drafter's own state (its caches, its window of hidden states, its statistics)."""
 
     def stats(self) -> DrafterStats:

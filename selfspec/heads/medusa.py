@@ -151,7 +151,7 @@ class MedusaDrafter(VocabHeadDrafter):
         largest = self.fixed_nodes if self.fixed_nodes is not None else cost_curve.best_size(values)[0]
         kept = [
             (p, v)
-            for p, v in zip(paths[: largest - 1], values)
+            for p, v in zip(paths[: largest - 1], values, strict=False)
             if max(p) < heads.config.max_rank and len(p) <= heads.num_heads
         ]
         paths, self.values = [p for p, _ in kept], [v for _, v in kept]

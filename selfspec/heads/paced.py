@@ -185,5 +185,5 @@ def request_pacing(drafter: Drafter, pace: bool) -> Iterator[Drafter]:
     try:
         yield drafter
     finally:
-        for wrapper, enabled in zip(wrappers, before):
+        for wrapper, enabled in zip(wrappers, before, strict=True):
             wrapper.enabled = enabled

@@ -209,7 +209,7 @@ def regenerate(
             batch = todo[start : start + batch_size]
             lines = []
             for (conversation_id, prompt, _), row in zip(
-                batch, replies_for(target, [ids for _, _, ids in batch], max_new_tokens)
+                batch, replies_for(target, [ids for _, _, ids in batch], max_new_tokens), strict=True
             ):
                 cut = next((i for i, token in enumerate(row) if token in eos), None)
                 count.tokens += len(row) if cut is None else cut + 1  # the generated tokens, the end marker too

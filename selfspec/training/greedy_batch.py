@@ -115,7 +115,7 @@ def _prefill(target: Target, prompts: list[list[int]], width: int) -> tuple[Dyna
                 logits_to_keep=1,
             ).logits[:, -1]
         )
-        for layer, part in zip(cache.layers, chunk_cache.layers):
+        for layer, part in zip(cache.layers, chunk_cache.layers, strict=True):
             if layer.storage is None:  # the batch's storage: `width` columns for every row, filled chunk by chunk
                 shape = (len(prompts), part.keys.shape[1], width, part.keys.shape[-1])
                 layer.update(part.keys.new_zeros(shape), part.values.new_zeros(shape))

@@ -168,7 +168,7 @@ def load_label_cache(directory: Path) -> list[LabeledSequence]:
         tensors = load_file(str(directory / shard["file"]))
         offsets = tensors["offsets"].tolist()
         layers = [int(key.split(".", 1)[1]) for key in tensors if key.startswith("hidden.")]
-        for start, end in zip(offsets, offsets[1:]):
+        for start, end in zip(offsets, offsets[1:], strict=False):
             sequences.append(
                 LabeledSequence(
                     input_ids=tensors["input_ids"][start:end],

@@ -104,7 +104,9 @@ def draft_agreement(target: Target, settings: LayerSkipSettings, calibration: Ca
     forward = SkippingForward(target, plan, vocab)
     agree = total = 0
     with torch.inference_mode():
-        for text, positions, expected in zip(calibration.texts, calibration.positions, calibration.target_next):
+        for text, positions, expected in zip(
+            calibration.texts, calibration.positions, calibration.target_next, strict=True
+        ):
             logits = forward(text.to(target.device), DynamicCache(), 0)[:-1]
             guesses = forward.to_target_ids(logits.argmax(-1)).cpu()
             agree += int((guesses == expected)[positions].sum())
@@ -123,8 +125,8 @@ def draft_cost(target: Target, plan: SkipPlan, draft_vocab_size: int) -> float:
     mlp = [size(layer.mlp) for layer in layers]
     lm_rows = target.model.get_output_embeddings().weight.shape[1]
     full = sum(attention) + sum(mlp) + target.vocab_size * lm_rows
-    used = sum(a for a, run in zip(attention, plan.run_attention) if run) + sum(
-        m for m, run in zip(mlp, plan.run_mlp) if run
+    used = sum(a for a, run in zip(attention, plan.run_attention, strict=True) if run) + sum(
+        m for m, run in zip(mlp, plan.run_mlp, strict=True) if run
     )
     used += (draft_vocab_size or target.vocab_size) * lm_rows
     return used / full

@@ -123,7 +123,9 @@ def fit_log_linear(points: list[tuple[float, float]]) -> tuple[float, float] | N
     if len(set(xs)) < 2:
         return None
     mean_x, mean_y = sum(xs) / len(xs), sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, (_, y) in zip(xs, points)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, (_, y) in zip(xs, points, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
     return mean_y - slope * mean_x, slope
 
 

@@ -111,7 +111,7 @@ def _tokenized(target: Target, conversations, max_length: int, kind: str, work_d
         stored = torch.load(path)
         ids = stored["input_ids"].long().split(stored["lengths"].tolist())
         masks = stored["loss_mask"].split(stored["lengths"].tolist())
-        return [Example(name, i, m, kind) for name, i, m in zip(stored["ids"], ids, masks)]
+        return [Example(name, i, m, kind) for name, i, m in zip(stored["ids"], ids, masks, strict=True)]
     examples = [example for example in tokenize_all(target, conversations, max_length, kind) if example is not None]
     stored = {
         "ids": [example.id for example in examples],
@@ -142,7 +142,7 @@ def tokenize_all(target: Target, conversations, max_length: int, kind: str, work
             with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
                 work = partial(_tokenize_in_worker, max_length=max_length, kind=kind)
                 examples = []
-                for conversation, row in zip(conversations, pool.map(work, conversations, chunksize=64)):
+                for conversation, row in zip(conversations, pool.map(work, conversations, chunksize=64), strict=True):
                     # Plain lists cross the process boundary (tensors would each take a shared-memory handle).
                     examples.append(row and Example(conversation.id, torch.tensor(row[0]), torch.tensor(row[1]), kind))
                     bar.update(1)

@@ -202,12 +202,7 @@ def train(
     with bar:
         while progress.step < total_steps:
             step, began = progress.step, running_time()
-            indices = batch_order(sequence_count, config.batch_size, config.seed, step)
-            # Several processes (GPUs) split each batch; one process takes all of it.
-            indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
-            sequences = fetch(indices)
-            if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
-                torch.cuda.synchronize()
+            sequences = _fetch_batch(fetch, sequence_count, config, step, accelerator, on_gpu)
             fetched = running_time()
             loss, progress.metrics = train_step(
                 head,
@@ -245,6 +240,24 @@ def train(
     return _summary(progress, total_steps, resumed_from, first_metric, accelerator.mixed_precision == "bf16")
 
 
+def _fetch_batch(
+    fetch: Callable[[list[int]], list[LabeledSequence]],
+    sequence_count: int,
+    config: TrainConfig,
+    step: int,
+    accelerator,
+    on_gpu: bool,
+) -> list[LabeledSequence]:
+    """This process's share of step `step`'s batch, fetched (on a GPU, finished: its time belongs to fetching)."""
+    indices = batch_order(sequence_count, config.batch_size, config.seed, step)
+    # Several processes (GPUs) split each batch; one process takes all of it.
+    indices = indices[accelerator.process_index :: accelerator.num_processes] or indices[:1]
+    sequences = fetch(indices)
+    if on_gpu:  # streamed labels run asynchronously: their time belongs to fetching, not to the step
+        torch.cuda.synchronize()
+    return sequences
+
+
 def _optimizer(groups: list[ParamGroup], config: TrainConfig, total_steps: int):
     """AdamW with a parameter group per ParamGroup, and the warm-up + decay schedule over `total_steps`."""
     optimizer = torch.optim.AdamW(
@@ -266,7 +279,7 @@ def _follow_schedule(scheduler, optimizer, config: TrainConfig, total_steps: int
 def _apply_schedule(optimizer, scheduler) -> None:
     """Each group's rate for the next step, from the scheduler's own lambdas at the step it has reached."""
     lambda_lr = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps it
-    for group, base, factor in zip(optimizer.param_groups, lambda_lr.base_lrs, lambda_lr.lr_lambdas):
+    for group, base, factor in zip(optimizer.param_groups, lambda_lr.base_lrs, lambda_lr.lr_lambdas, strict=True):
         group["lr"] = base * factor(lambda_lr.last_epoch)
 
 

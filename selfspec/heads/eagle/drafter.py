@@ -233,7 +233,7 @@ class EagleDrafter(VocabHeadDrafter):
         def expand(nodes: list[int], draft_tokens: list[int], parents: list[int], depth: int) -> torch.Tensor:
             # Each node's pair: (its parent's feature, its token) at position committed + its depth; it sees the
             # committed pairs, its expanded ancestors and itself.
-            parent_of.update(zip(nodes, parents))
+            parent_of.update(zip(nodes, parents, strict=True))
             features = torch.stack([feature_of[parent] for parent in parents])
             ids = self.head.draft_vocab[torch.tensor(draft_tokens, device=device)]
             positions = torch.full((len(nodes),), committed + depth, device=device)

@@ -71,7 +71,7 @@ class LayerSkipDrafter(Drafter):
                 self._adapt(len(observation.accepted_path) - 1)
         # Keep the draft KV of the longest prefix the committed text shares with what the draft cache holds.
         keep = 0
-        for cached_token, committed_token in zip(self.cached, self.committed):
+        for cached_token, committed_token in zip(self.cached, self.committed, strict=False):
             if cached_token != committed_token:
                 break
             keep += 1
