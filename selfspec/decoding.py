@@ -15,7 +15,7 @@ import torch
 from .errors import SelfspecError
 from .heads.base import Drafter, DraftRequest, Observation
 from .heads.paced import request_pacing
-from .models import Target
+from .models import Target, check_prompt_length
 from .sampling import SamplingConfig, StepDraws
 from .tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, verify
 
@@ -76,15 +76,6 @@ def check_settings(max_new_tokens: int, seed: int = 0) -> None:
         raise SelfspecError(f"seed must be an integer, got {seed!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise SelfspecError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-
-
-def check_prompt_length(length: int, context_limit: int) -> None:
-    """A prompt of `length` tokens must leave room for at least one generated token."""
-    if length >= context_limit:
-        raise SelfspecError(
-            f"the prompt is {length} tokens, which leaves no room in the model's context of "
-            f"{context_limit} tokens: shorten the prompt"
-        )
 
 
 def validate_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> torch.Tensor:

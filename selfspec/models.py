@@ -243,14 +243,21 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 UNCOUNTED_PROMPT_BYTES = 2048  # a prompt this short fits any context the default model could have (a token >= 1 byte)
 
 
+def check_prompt_length(length: int, context_limit: int) -> None:
+    """A prompt of `length` tokens must leave room for at least one generated token."""
+    if length >= context_limit:
+        raise SelfspecError(
+            f"the prompt is {length} tokens, which leaves no room in the model's context of "
+            f"{context_limit} tokens: shorten the prompt"
+        )
+
+
 def check_default_prompt_fits(spec: str, prompt: str, chat: bool) -> None:
     """Before the default model's first conversion (seconds of de-quantising and writing), a prompt that might not fit
     its context is counted with the tokenizer and the context read from the GGUF alone, so a too-long prompt is one
     line before any conversion. Anything else (another model, a converted one, a short prompt) is checked when the
     model has loaded, as every request is."""
     from transformers import AutoConfig
-
-    from .decoding import check_prompt_length
 
     converted = _is_complete_checkpoint(cache_root() / "models" / DEFAULT_MODEL_NAME)
     if str(spec) != DEFAULT_MODEL or converted or len(prompt.encode("utf-8")) < UNCOUNTED_PROMPT_BYTES:
