@@ -6,6 +6,7 @@ one. `selfspec profile` measures and stores a curve per device; until then a bui
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -48,9 +49,7 @@ class CostCurve:
         sizes, costs = self.sizes, self.relative_cost
         if n <= sizes[0]:
             return costs[0]
-        for (n0, c0), (n1, c1) in zip(
-            zip(sizes, costs, strict=True), zip(sizes[1:], costs[1:], strict=True), strict=False
-        ):
+        for (n0, c0), (n1, c1) in itertools.pairwise(zip(sizes, costs, strict=True)):
             if n <= n1:
                 return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])

@@ -149,9 +149,10 @@ class MedusaDrafter(VocabHeadDrafter):
         # The largest tree worth verifying even if every value were right; each step verifies the best prefix of it
         # for the values as calibrated by what the verifier has been accepting (`max_nodes` fixes the size).
         largest = self.fixed_nodes if self.fixed_nodes is not None else cost_curve.best_size(values)[0]
+        count = min(largest - 1, len(paths), len(values))  # the best prefix of the tree, as large as allowed
         kept = [
             (p, v)
-            for p, v in zip(paths[: largest - 1], values, strict=False)
+            for p, v in zip(paths[:count], values[:count], strict=True)
             if max(p) < heads.config.max_rank and len(p) <= heads.num_heads
         ]
         paths, self.values = [p for p, _ in kept], [v for _, v in kept]

@@ -9,6 +9,7 @@ continues after the last one) or computed on the fly per batch (`storage: stream
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +169,7 @@ def load_label_cache(directory: Path) -> list[LabeledSequence]:
         tensors = load_file(str(directory / shard["file"]))
         offsets = tensors["offsets"].tolist()
         layers = [int(key.split(".", 1)[1]) for key in tensors if key.startswith("hidden.")]
-        for start, end in zip(offsets, offsets[1:], strict=False):
+        for start, end in itertools.pairwise(offsets):
             sequences.append(
                 LabeledSequence(
                     input_ids=tensors["input_ids"][start:end],

@@ -58,8 +58,8 @@ def draft_layer_config(target: Target, num_layers: int) -> Qwen3Config:
         ),
         attention_bias=False,
         tie_word_embeddings=False,
+        attn_implementation="sdpa",  # the head's own config (never the target's), through the public argument
     )
-    config._attn_implementation = "sdpa"
     return config
 
 

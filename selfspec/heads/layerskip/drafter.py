@@ -70,11 +70,8 @@ class LayerSkipDrafter(Drafter):
             if observation.tree.size > 1:  # a step it drafted for
                 self._adapt(len(observation.accepted_path) - 1)
         # Keep the draft KV of the longest prefix the committed text shares with what the draft cache holds.
-        keep = 0
-        for cached_token, committed_token in zip(self.cached, self.committed, strict=False):
-            if cached_token != committed_token:
-                break
-            keep += 1
+        shared = min(len(self.cached), len(self.committed))
+        keep = next((i for i in range(shared) if self.cached[i] != self.committed[i]), shared)
         if keep < len(self.cached):
             trim_cache(self.cache, keep)
             del self.cached[keep:]
