@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Sequence
 import torch
 
 from .execution import ExecutionPath
+from .execution.calibration import BUSY_SPREAD, QUICK_TRIES
 from .files import atomic_write_text, cpu_signature
 from .models import Target, cache_root
 
@@ -125,8 +127,16 @@ def measure_forward_times(
     target: Target, paths: dict[str, ExecutionPath], cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES
 ) -> dict[str, dict[int, float]]:
     """Seconds for one forward of n new tokens after `cache_length` cached ones, per execution path: the fastest of
-    `repeats` rounds (the least disturbed by other load). Rounds interleave the paths and the sizes, so slow drifts
-    of the machine hit every one alike; round 0 warms up."""
+    `repeats` rounds (the least disturbed by other load)."""
+    samples = forward_time_samples(target, paths, cache_length, repeats, sizes)
+    return {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
+
+
+def forward_time_samples(
+    target: Target, paths: dict[str, ExecutionPath], cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES
+) -> dict[str, dict[int, list[float]]]:
+    """Every round's seconds for one forward of n new tokens, per execution path. Rounds interleave the paths and the
+    sizes, so slow drifts of the machine hit every one alike; round 0 warms up."""
     from .tree_attention import DraftTree, build_tree_inputs, compact_cache, tree_forward
 
     model, device = target.model, target.device
@@ -155,7 +165,14 @@ def measure_forward_times(
                         if round_index > 0:
                             samples[name][n].append(time.perf_counter() - start)
                         compact_cache(caches[name], n, ())  # drop the n new positions again
-    return {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
+    return samples
+
+
+def busy_spread(samples: dict[int, list[float]]) -> float:
+    """How much slower a size's median round was than its fastest, at the worst size: near 1 on a quiet machine. Under
+    other load the fastest rounds are luck, and a curve made of them can say a 2-token step costs 2.6 one-token steps,
+    which would size every tree down to its root for as long as the curve is stored."""
+    return max(statistics.median(values) / min(values) for values in samples.values())
 
 
 def curve_from_times(times: dict[int, float], sizes=PROFILE_SIZES) -> CostCurve:
@@ -187,9 +204,19 @@ def target_cost_curve(target: Target) -> CostCurve:
         "measures a thorough one)",
         file=sys.stderr,
     )
-    times = measure_forward_times(target, {"path": target.execution}, cache_length=256, repeats=3, sizes=QUICK_SIZES)
-    save_cost_curve(curve_from_times(times["path"], QUICK_SIZES), *key)
-    return load_cost_curve(*key)
+    for _ in range(QUICK_TRIES):
+        samples = forward_time_samples(target, {"path": target.execution}, 256, repeats=3, sizes=QUICK_SIZES)["path"]
+        spread = busy_spread(samples)
+        if spread <= BUSY_SPREAD:
+            times = {n: min(values) for n, values in samples.items()}
+            save_cost_curve(curve_from_times(times, QUICK_SIZES), *key)
+            return load_cost_curve(*key)
+    print(
+        f"selfspec: the machine is busy (the same step's time varied {spread:.1f}x), so the curve was not stored; the "
+        "built-in estimate sizes the trees, and the next run measures again",
+        file=sys.stderr,
+    )
+    return curve
 
 
 def current_cost_curve(target: Target) -> CostCurve:

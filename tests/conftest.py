@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 import selfspec.training.sharegpt as sharegpt_module
+from selfspec.files import cache_root
 from selfspec.models import Target
 
 from .helpers import CORE_FAMILIES, WORDS, make_tiny_target, make_word_tokenizer
@@ -22,6 +27,16 @@ os.environ["SELFSPEC_AUTO_PROFILE"] = "0"
 os.environ["SELFSPEC_STOCK_ROWS"] = "2"
 # `auto` does not compile the real model's steps (minutes) in the suite; test_compiled compiles a tiny model by name.
 os.environ["SELFSPEC_COMPILE"] = "0"
+# The suite never reads what this machine stored (cost curves measured under other load, a row split, compiled graphs):
+# a cache of its own, made once by the controlling process (xdist's workers inherit it), sharing only the converted
+# default model with the user's cache.
+if "SELFSPEC_SUITE_CACHE" not in os.environ:
+    _suite_cache = Path(tempfile.mkdtemp(prefix="selfspec-suite-cache-"))
+    _models = cache_root() / "models"
+    _models.mkdir(parents=True, exist_ok=True)
+    (_suite_cache / "models").symlink_to(_models.resolve(), target_is_directory=True)
+    os.environ["SELFSPEC_CACHE"] = os.environ["SELFSPEC_SUITE_CACHE"] = str(_suite_cache)
+    atexit.register(shutil.rmtree, _suite_cache, True)
 
 RECORDS = 100  # fake ShareGPT records; the held-out split is the last 2
 

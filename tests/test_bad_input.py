@@ -135,7 +135,7 @@ LONG_PROMPT = " ".join(["cat"] * 300)  # past the tiny model's context of 256
 # Work a first request on a machine does once (minutes for a real model): the cost curve, the fast path's row split,
 # the compiled steps. A bad request must fail before any of it.
 FIRST_USE_WORK = (
-    "selfspec.cost.measure_forward_times",
+    "selfspec.cost.forward_time_samples",
     "selfspec.execution.calibration.measure_stock_rows",
     "selfspec.execution.compiled.compile_step",
     "selfspec.execution.background.spawn_compile",

@@ -299,7 +299,7 @@ def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_targe
     assert auto.execution.name == "fast" and "built in the background" in capsys.readouterr().err
     assert spec.drafter.cost_curve.source.endswith("--fast.json")  # measured on the path it ran
     monkeypatch.setattr(
-        "selfspec.cost.measure_forward_times", lambda *args, **kwargs: pytest.fail("measured while a request waits")
+        "selfspec.cost.forward_time_samples", lambda *args, **kwargs: pytest.fail("measured while a request waits")
     )
     second = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40)
     assert second.stats.kernels == "compiled" and calls and auto.execution.name == "compiled"

@@ -307,6 +307,54 @@ def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, ca
     assert create_drafter("ngram", Target(target.model, None, "other-model")).cost_curve.source.startswith("builtin")
 
 
+def test_a_row_split_measured_on_a_busy_machine_is_used_once_and_not_stored(tmp_path, monkeypatch, capsys):
+    """A verdict taken under other load once sent every 1-token step to the slower kernel for good (37.8 ms against
+    21.5 ms on the real model): after three busy tries it serves this run only, and the next run measures again."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(STOCK_ROWS_ENV)
+    tries = []
+
+    def measured(modules, dispatch):
+        tries.append(1)
+        return 4, {rows: [1.0, 2.0] for rows in CALIBRATION_ROWS}, (2.0 if len(tries) <= 3 else 1.1)
+
+    monkeypatch.setattr("selfspec.execution.calibration.measure_stock_rows", measured)
+    busy = make_tiny_target("llama", kernels="fast").execution
+    with busy.active():
+        pass
+    assert busy.dispatch.stock_rows == 4 and "busy" in busy.dispatch.source and len(tries) == 3
+    assert "the machine is busy" in capsys.readouterr().err and not (tmp_path / "profiles").exists()
+    quiet = make_tiny_target("llama", kernels="fast").execution
+    with quiet.active():
+        pass
+    assert len(tries) == 4 and quiet.dispatch.source.startswith("measured, stored")
+    assert json.loads(next((tmp_path / "profiles").glob("*--stock-rows.json")).read_text())["stock_rows"] == 4
+
+
+def test_a_curve_measured_on_a_busy_machine_is_not_stored(tmp_path, monkeypatch, capsys):
+    """Rounds that vary a lot mean other load: the quick curve is measured again, and if the machine stays busy the
+    built-in estimate sizes the trees and nothing is stored (a lucky 1-token round once made 2 tokens cost 2.6 steps,
+    and every later run drafted nothing)."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
+    target = make_tiny_target("llama", kernels="fast")
+    quiet = {n: [0.010 * (1 + n / 64)] * 3 for n in (1, 2, 4, 8, 16, 32, 64)}
+    busy = {**quiet, 1: [0.010, 0.025, 0.030]}
+    rounds = []
+
+    def measured(target, paths, cache_length, repeats, sizes):
+        rounds.append(len(rounds))
+        return {"path": busy if len(rounds) <= 3 else quiet}
+
+    monkeypatch.setattr("selfspec.cost.forward_time_samples", measured)
+    curve = target_cost_curve(target)
+    assert curve.source.startswith("builtin") and len(rounds) == 3  # measured three times, busy each time
+    assert "the machine is busy (the same step's time varied 2.5x)" in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "profiles").exists()
+    curve = target_cost_curve(target)  # the next run measures again; quiet now: stored
+    assert curve.source.endswith("--fast.json") and len(rounds) == 4 and curve.cost(64) == pytest.approx(128 / 65, abs=1e-3)
+
+
 def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
     """A bfloat16 step costs differently from a float32 one: a curve measured in one never sizes the other's trees."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))

@@ -124,7 +124,7 @@ def _profile(args) -> None:
 
     import torch
 
-    from ..cost import PROFILE_SIZES, curve_from_times, measure_forward_times, save_cost_curve
+    from ..cost import BUSY_SPREAD, PROFILE_SIZES, busy_spread, curve_from_times, forward_time_samples, save_cost_curve
     from ..errors import SelfspecError
     from ..models import load_target
 
@@ -132,7 +132,15 @@ def _profile(args) -> None:
         raise SelfspecError("--recalibrate measures the fast path's row split, which --kernels stock never uses")
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     paths = _profile_paths(target, args)
-    times = measure_forward_times(target, paths, cache_length=args.cache_length, repeats=args.repeats)
+    samples = forward_time_samples(target, paths, cache_length=args.cache_length, repeats=args.repeats)
+    times = {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
+    spread = max(busy_spread(by_size) for by_size in samples.values())
+    if spread > BUSY_SPREAD:
+        print(
+            f"selfspec profile: warning: the machine was busy (the same step's time varied {spread:.1f}x); the curves "
+            "below took each size's fastest round, but run it again on a quiet machine to trust them",
+            file=sys.stderr,
+        )
     stored = {
         name: save_cost_curve(curve_from_times(times[name]), target.device, target.cost_key, name, target.dtype)
         for name in paths
