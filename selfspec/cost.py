@@ -139,7 +139,7 @@ def forward_time_samples(
     sizes, so slow drifts of the machine hit every one alike; round 0 warms up."""
     from .tree_attention import DraftTree, build_tree_inputs, compact_cache, tree_forward
 
-    model, device = target.model, target.device
+    device = target.device
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     prefix = torch.randint(0, vocab, (1, cache_length), generator=generator).to(device)
@@ -149,7 +149,7 @@ def forward_time_samples(
         caches = {name: path.new_cache() for name, path in paths.items()}  # each path with the cache it writes
         for name, path in paths.items():
             with path.active():
-                model(input_ids=prefix, past_key_values=caches[name], use_cache=True)
+                path.forward(prefix, past_key_values=caches[name])
         for round_index in range(repeats + 1):
             for name, path in paths.items():
                 with path.active():
@@ -160,7 +160,7 @@ def forward_time_samples(
                         inputs = build_tree_inputs(chain, cache_length, target.dtype, device)
                         _synchronize(device)
                         start = time.perf_counter()
-                        tree_forward(model, caches[name], inputs)
+                        tree_forward(path.forward, caches[name], inputs)
                         _synchronize(device)
                         if round_index > 0:
                             samples[name][n].append(time.perf_counter() - start)

@@ -130,7 +130,7 @@ def _generate(
     on_tokens: Callable[[tuple[int, ...]], None] | None,
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """speculative_generate's loop, on a checked request."""
-    model, device, eos = target.model, target.device, set(target.eos_token_ids)
+    forward, device, eos = target.forward, target.device, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     committed: list[int] = input_ids[0].tolist()
     new_tokens: list[int] = []
@@ -144,7 +144,7 @@ def _generate(
         kernels = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
-        prefill = chunk_forward(model, cache, input_ids[:, :-1], drafter.hidden_layers) if len(committed) > 1 else None
+        prefill = chunk_forward(forward, cache, input_ids[:, :-1], drafter.hidden_layers) if committed[1:] else None
         drafter.reset()
         drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}))
         prefill_s = time.perf_counter() - start
@@ -157,7 +157,7 @@ def _generate(
             forward_start = time.perf_counter()
             # 3. One target forward over the tree, after the cached prefix.
             inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
-            output = tree_forward(model, cache, inputs, drafter.hidden_layers)
+            output = tree_forward(forward, cache, inputs, drafter.hidden_layers)
             # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
             result = verify(tree, output.logits, sampling, StepDraws(seed, len(new_tokens), generator))
             forward_s = time.perf_counter() - forward_start

@@ -20,6 +20,7 @@ from typing import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .errors import SelfspecError, first_line
 from .execution import KERNEL_CHOICES, ExecutionPath
@@ -66,7 +67,8 @@ def tokenizer_hash(tokenizer) -> str:
 
 @dataclass
 class Target:
-    """The unmodified target model with its tokenizer. Selfspec never stores state on `model` itself."""
+    """The unmodified target model with its tokenizer. Selfspec never stores state on `model` itself, nor changes its
+    modules or config: the execution path runs a twin of it where it needs other modules (selfspec.execution)."""
 
     model: torch.nn.Module
     tokenizer: object | None
@@ -80,6 +82,11 @@ class Target:
     def execution(self) -> ExecutionPath:
         """How the decoding loop runs the model (the stock modules everywhere else)."""
         return ExecutionPath(self.model, self.kernels, self.name, source=self.source)
+
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        """One forward on the execution path in use (ExecutionPath.forward: position_ids, attention_mask,
+        past_key_values, output_hidden_states): what the decoding loop calls; the model is never patched."""
+        return self.execution.forward(input_ids, **kwargs)
 
     @property
     def config(self):
@@ -174,7 +181,7 @@ class Target:
         cache = self.execution.new_cache()
         for layer in cache.layers:
             # Sliding layers would otherwise drop old positions *before* rejected tree nodes are compacted away.
-            if hasattr(layer, "activate_past_recording"):
+            if isinstance(layer, DynamicSlidingWindowLayer):
                 layer.activate_past_recording()
         return cache
 
@@ -434,10 +441,10 @@ def _is_complete_checkpoint(directory: Path) -> bool:
     return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
 
 
-def sublayer_style(layer: torch.nn.Module, drafter: str) -> str:
+def sublayer_style(block: torch.nn.Module, drafter: str) -> str:
     """How a decoder layer splits into its attention and MLP sublayers (for drafters that run them one by one):
     'pre' for pre-norm layers (Llama, Qwen, Mistral, Gemma), 'sandwich' for Gemma-2-style ones with norms around
     both sublayers; anything else cannot be split and is an error."""
-    if all(hasattr(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
-        return "sandwich" if hasattr(layer, "pre_feedforward_layernorm") else "pre"
-    raise SelfspecError(f"{drafter}: cannot split {type(layer).__name__} into attention and MLP sublayers")
+    if all(hasattr(block, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
+        return "sandwich" if hasattr(block, "pre_feedforward_layernorm") else "pre"
+    raise SelfspecError(f"{drafter}: cannot split {type(block).__name__} into attention and MLP sublayers")

@@ -494,3 +494,14 @@ def record_sharegpt_splits(monkeypatch) -> list[str]:
 
     monkeypatch.setattr("selfspec.training.data.load_sharegpt", spy)
     return splits
+
+
+def model_as_made(model: torch.nn.Module) -> dict:
+    """What transformers made: every module object at its name, the parameters, the config object and its values, and
+    no `forward` set on the instance."""
+    return {
+        "modules": [(name, id(module), type(module)) for name, module in model.named_modules()],
+        "parameters": [(name, id(weight), weight.requires_grad) for name, weight in model.named_parameters()],
+        "config": (id(model.config), model.config.to_json_string()),
+        "instance forward": [name for name, module in model.named_modules() if "forward" in vars(module)],
+    }

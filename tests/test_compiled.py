@@ -32,6 +32,7 @@ from .helpers import (
     expected_joint,
     hf_greedy,
     make_tiny_target,
+    model_as_made,
     random_eagle_dir,
     sample_joint,
     without_eos,
@@ -86,17 +87,17 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, mon
         for name, path in (("fast", fast), ("compiled", target.execution)):
             with path.active():
                 cache = path.new_cache()
-                chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
+                chunk_forward(path.forward, cache, torch.tensor([LONG_PROMPT]))
                 cached = len(LONG_PROMPT)
                 one = DraftTree.root_only(7)
-                single = tree_forward(target.model, cache, build_tree_inputs(one, cached, target.dtype, "cpu"), (0, 2))
+                single = tree_forward(path.forward, cache, build_tree_inputs(one, cached, target.dtype, "cpu"), (0, 2))
                 compact_cache(cache, 1, (0,))
                 two = tree_forward(
-                    target.model, cache, build_tree_inputs(pair, cached + 1, target.dtype, "cpu"), (0, 2)
+                    path.forward, cache, build_tree_inputs(pair, cached + 1, target.dtype, "cpu"), (0, 2)
                 )
                 compact_cache(cache, 2, (0, 1))
                 tree = tree_forward(
-                    target.model, cache, build_tree_inputs(TREE, cached + 3, target.dtype, "cpu"), (0, 2)
+                    path.forward, cache, build_tree_inputs(TREE, cached + 3, target.dtype, "cpu"), (0, 2)
                 )
                 compact_cache(cache, TREE.size, (0, 2, 5))  # a second child wins: a gather in the in-place storage
                 steps = single, two, tree
@@ -114,7 +115,7 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, mon
 
 def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, monkeypatch):
     target, _, _ = compiled_target
-    calls = []
+    calls, made = [], model_as_made(target.model)
     step = target.execution.compiled
     original = CompiledStep.__call__
     monkeypatch.setattr(
@@ -122,18 +123,18 @@ def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, mon
     )
     with torch.inference_mode(), target.execution.active():
         cache = target.new_cache()
-        chunk_forward(target.model, cache, torch.tensor([PROMPT]))  # prefill: eager
+        chunk_forward(target.forward, cache, torch.tensor([PROMPT]))  # prefill: eager
         tree_forward(
-            target.model, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu")
+            target.forward, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu")
         )  # short cache: eager
         compact_cache(cache, TREE.size, (0,))
-        chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
+        chunk_forward(target.forward, cache, torch.tensor([LONG_PROMPT]))
         cached = cache.get_seq_length()
-        tree_forward(target.model, cache, build_tree_inputs(TREE, cached, target.dtype, "cpu"))
+        tree_forward(target.forward, cache, build_tree_inputs(TREE, cached, target.dtype, "cpu"))
         compact_cache(cache, TREE.size, (0,))
-        chunk_forward(target.model, cache, torch.arange(3, 83).view(1, 80))  # more rows than the tree graph takes
+        chunk_forward(target.forward, cache, torch.arange(3, 83).view(1, 80))  # more rows than the tree graph takes
     assert calls == [TREE.size] and step is target.execution.compiled
-    assert "forward" not in target.model.__dict__  # the stock forward is back outside the block
+    assert model_as_made(target.model) == made  # the path is called, never set on the model
 
 
 def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypatch):
@@ -155,13 +156,12 @@ def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypa
         for name, path in (("fast", ExecutionPath(target.model, "fast")), ("compiled", target.execution)):
             with path.active():
                 cache = path.new_cache()
-                chunk_forward(target.model, cache, torch.tensor([LONG_PROMPT]))
-                logits[name] = target.model(
-                    input_ids=torch.tensor([[7]]),
+                chunk_forward(path.forward, cache, torch.tensor([LONG_PROMPT]))
+                logits[name] = path.forward(
+                    torch.tensor([[7]]),
                     attention_mask=hidden,
                     position_ids=torch.tensor([[len(LONG_PROMPT)]]),
                     past_key_values=cache,
-                    use_cache=True,
                 ).logits
     assert calls == []
     torch.testing.assert_close(logits["compiled"], logits["fast"], atol=1e-5, rtol=1e-5)

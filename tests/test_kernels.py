@@ -37,6 +37,7 @@ from .helpers import (
     PROMPT,
     hf_greedy,
     make_tiny_target,
+    model_as_made,
     random_dflash_dir,
     random_eagle_dir,
     random_medusa_dir,
@@ -63,10 +64,9 @@ def test_packed_layers_equal_the_stock_ones(family):
     with torch.inference_mode():
         stock = target.model(tokens, output_hidden_states=True)
         with target.execution.active():
-            assert linear_types(target.model) == FAST_LINEARS
-            assert target.vocab_size == stock.logits.shape[-1]  # `.weight` is still there to read
-            fast = target.model(tokens, output_hidden_states=True)
-    assert linear_types(target.model) == {torch.nn.Linear}
+            assert linear_types(target.execution.runner) == FAST_LINEARS  # in the path's twin of the model
+            assert linear_types(target.model) == {torch.nn.Linear}  # the model keeps its own
+            fast = target.forward(tokens, output_hidden_states=True)
     torch.testing.assert_close(fast.logits, stock.logits, atol=1e-4, rtol=1e-4)
     for fast_hidden, stock_hidden in zip(fast.hidden_states, stock.hidden_states, strict=True):
         torch.testing.assert_close(fast_hidden, stock_hidden, atol=1e-4, rtol=1e-4)
@@ -155,13 +155,13 @@ def test_tree_forward_on_the_fast_path_equals_the_stock_one(family):
         for name, path in (("stock", stock), ("fast", target.execution)):
             with path.active():
                 if name == "fast":  # grouped key/value heads (2 per 4 query heads), read as they are
-                    assert target.config._attn_implementation == GROUPED_SDPA
+                    assert path.runner.config._attn_implementation == GROUPED_SDPA
                 cache = path.new_cache()
-                chunk_forward(target.model, cache, prefix)
-                output = tree_forward(target.model, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu"))
+                chunk_forward(path.forward, cache, prefix)
+                output = tree_forward(path.forward, cache, build_tree_inputs(TREE, len(PROMPT), target.dtype, "cpu"))
                 compact_cache(cache, TREE.size, (0, 2, 5))  # a second child wins: a gather, not a trim
                 results[name] = output.logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-    assert target.config._attn_implementation == "sdpa"  # put back after the block
+    assert target.config._attn_implementation == "sdpa"  # the model's own config is never changed
     torch.testing.assert_close(results["fast"][0], results["stock"][0], atol=1e-4, rtol=1e-4)
     for (fast_keys, fast_values), (keys, values) in zip(results["fast"][1], results["stock"][1], strict=True):
         torch.testing.assert_close(fast_keys, keys, atol=1e-5, rtol=1e-5)
@@ -177,12 +177,12 @@ def test_the_in_place_cache_equals_a_fresh_prefill_after_compaction_and_growth()
     with torch.inference_mode(), target.execution.active():
         cache = target.new_cache()
         assert all(type(layer) is InPlaceLayer for layer in cache.layers)
-        chunk_forward(target.model, cache, torch.tensor([committed[:-1]]))
+        chunk_forward(target.forward, cache, torch.tensor([committed[:-1]]))
         for step in range(90):  # 3 tokens a step: past the 256 positions reserved at first
             tokens = torch.randint(3, 96, (TREE.size,), generator=generator)
             tokens[0] = committed[-1]
             tree = DraftTree(tokens=tokens, parents=TREE.parents)
-            tree_forward(target.model, cache, build_tree_inputs(tree, len(committed) - 1, target.dtype, "cpu"))
+            tree_forward(target.forward, cache, build_tree_inputs(tree, len(committed) - 1, target.dtype, "cpu"))
             path = (0, 1, 3) if step % 2 else (0, 2, 5)
             compact_cache(cache, tree.size, path)
             committed.extend(tree.token_list[i] for i in path[1:])
@@ -190,27 +190,32 @@ def test_the_in_place_cache_equals_a_fresh_prefill_after_compaction_and_growth()
         assert cache.get_seq_length() == len(committed) - 1 > 256
         trim_cache(cache, 100)
         fresh = target.new_cache()
-        chunk_forward(target.model, fresh, torch.tensor([committed[:100]]))
+        chunk_forward(target.forward, fresh, torch.tensor([committed[:100]]))
     for layer, reference in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(layer.keys, reference.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.values, reference.values, atol=1e-4, rtol=1e-4)
 
 
-def test_stock_modules_come_back_after_errors_and_nesting():
-    target = make_tiny_target("llama", kernels="fast")
-    path = target.execution
-    with pytest.raises(RuntimeError, match="boom"):
-        with path.active():
-            raise RuntimeError("boom")
-    assert linear_types(target.model) == {torch.nn.Linear}
-    with path.active():
-        with path.active():
-            pass
-        assert linear_types(target.model) == FAST_LINEARS  # the inner block does not end the outer one
-    assert linear_types(target.model) == {torch.nn.Linear}
-    stock = ExecutionPath(target.model, "stock")
-    with stock.active():
-        assert linear_types(target.model) == {torch.nn.Linear}
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_every_path_leaves_the_model_as_transformers_made_it(family, tmp_path):
+    """The execution path is something the loop calls: decoding on `stock` and `fast`, with a drafter that runs the
+    target's own layers (layer-skip) and one with heads, leaves the model's modules, parameters, config and forward
+    as they were (the compiled path: test_compiled)."""
+    target = make_tiny_target(family, kernels="fast")
+    made = model_as_made(target.model)
+    prompt = torch.tensor([PROMPT])
+    outputs = []
+    for kernels in ("stock", "fast"):
+        on_path = Target(target.model, None, target.name, kernels=kernels).with_eos(())
+        for name, heads in (("layerskip:skip=every-other", None), ("eagle", random_eagle_dir(target, tmp_path / "e"))):
+            drafter = create_drafter(name, on_path, heads)
+            tokens, _ = speculative_generate(on_path, drafter, prompt, max_new_tokens=12)
+            outputs.append(tokens)
+            assert model_as_made(target.model) == made, (kernels, name)
+    assert len(set(outputs)) == 1  # greedy: every drafter and path gives the same text
+    with pytest.raises(RuntimeError, match="boom"), target.execution.active():
+        raise RuntimeError("boom")
+    assert model_as_made(target.model) == made
 
 
 @pytest.mark.parametrize("family", CORE_FAMILIES)

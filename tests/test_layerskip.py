@@ -156,7 +156,7 @@ def test_tuned_file_round_trip_wrong_base_and_missing(tmp_path, monkeypatch):
     loaded = load_skip_file(path, target)
     assert loaded.settings == settings and loaded.draft_vocab.tolist() == vocab.tolist()
     drafter = create_drafter("layerskip", target)  # found by fingerprint, no flags
-    assert drafter.settings == settings and drafter.forward.plan.run_attention == (True, False, False, True)
+    assert drafter.settings == settings and drafter.skipping.plan.run_attention == (True, False, False, True)
     assert create_drafter("layerskip", target, threshold=0.1).settings.threshold == 0.1
     other = make_tiny_target("llama", num_hidden_layers=3)
     with pytest.raises(SelfspecError, match="tuned for another base model"):
@@ -215,7 +215,7 @@ def test_seeded_study_is_reproducible_resumable_and_found_by_the_drafter(
     drafter = create_drafter("layerskip", target, out)
     summary = load_skip_file(out / "layerskip.json", target).study
     assert summary["trials"] == 6 and summary["best"]["value"] >= summary["baseline_every_other_layer"]["value"]
-    assert len(drafter.forward.draft_vocab) == 12 and summary["plain_tokens_per_s"] > 0
+    assert len(drafter.skipping.draft_vocab) == 12 and summary["plain_tokens_per_s"] > 0
     prompt = [1, 5, 6, 7, 8]  # greedy meets no EOS within 8 tokens
     tokens, stats = speculative_generate(target, drafter, torch.tensor(prompt), 8, pace=False)
     assert list(tokens) == hf_greedy(target, prompt, 8) and len(tokens) == 8

@@ -228,10 +228,10 @@ def test_medusa2_refuses_a_target_it_cannot_copy(tmp_path, monkeypatch):
     target = make_tiny_target("llama")
     directory = random_medusa_dir(target, tmp_path / "heads", lora=True)
 
-    def no_memory(model):
+    def no_memory(model, new_parameters):
         raise RuntimeError("out of memory\ntraceback details")
 
-    monkeypatch.setattr(medusa_module, "_sharing_copy", no_memory)
+    monkeypatch.setattr(medusa_module, "sharing_copy", no_memory)
     with pytest.raises(SelfspecError, match=r"cannot be copied \(out of memory\)") as error:
         create_drafter("medusa", target, directory)
     assert "\n" not in str(error.value) and not target.adapters  # one line, and the shared target left alone

@@ -9,7 +9,8 @@ no modelling code:
 - kv_storage.py: the KV cache writes each step's keys and values in place into storage reserved ahead.
 `compiled` (compiled.py) is `fast` with the decoding steps compiled ahead of time by AOTInductor. Which path runs is
 selection.py's pure function of the path asked for, the model and the CPU's capabilities (capabilities.py);
-path.py's `ExecutionPath` puts the chosen one in place for a generation. Elsewhere (CUDA, other dtypes, a PyTorch
+path.py's `ExecutionPath` runs the chosen one (`forward`), on a twin of the model (twin.py) where it needs other
+modules: the model itself is left as transformers made it. Elsewhere (CUDA, other dtypes, a PyTorch
 without oneDNN) `auto` is the stock path, and says so.
 """
 
@@ -17,8 +18,16 @@ from .attention import GROUPED_SDPA
 from .calibration import CALIBRATION_ROWS, STOCK_ROWS_ENV, calibrate, measure_stock_rows
 from .capabilities import CpuCapabilities, describe_cpu, detect_capabilities
 from .compiled import CompiledStep, package_dir
-from .kv_storage import InPlaceLayer
-from .linears import PackedLinear, RowDispatch, SharedInputLinear, SharedInputProduct, pack_weight, packed_linear
+from .kv_storage import InPlaceCache, InPlaceLayer
+from .linears import (
+    PackedLinear,
+    RowDispatch,
+    SharedInputLinear,
+    SharedInputProduct,
+    pack_linears,
+    pack_weight,
+    packed_linear,
+)
 from .path import ExecutionPath
 from .selection import (
     AUTO_MIN_WEIGHTS,
@@ -31,6 +40,7 @@ from .selection import (
     model_traits,
     select_path,
 )
+from .twin import sharing_copy
 
 __all__ = [
     "AUTO_MIN_WEIGHTS",
@@ -42,6 +52,7 @@ __all__ = [
     "CompiledStep",
     "CpuCapabilities",
     "ExecutionPath",
+    "InPlaceCache",
     "InPlaceLayer",
     "ModelTraits",
     "PackedLinear",
@@ -56,8 +67,10 @@ __all__ = [
     "fast_path_available",
     "measure_stock_rows",
     "model_traits",
+    "pack_linears",
     "pack_weight",
     "packed_linear",
     "package_dir",
     "select_path",
+    "sharing_copy",
 ]

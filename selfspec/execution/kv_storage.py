@@ -6,12 +6,15 @@ that storage. Writers other than `update` (the compiled steps) use the public pa
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..tree_attention.cache import CompactsInPlace
 
 MIN_CAPACITY = 256  # positions reserved at first; storage then doubles past what is needed
 
 
-class InPlaceLayer(DynamicLayer):
+class InPlaceLayer(DynamicLayer, CompactsInPlace):
     """A full-attention cache layer whose keys and values live in storage reserved ahead (doubled when full): a step
     writes its positions in place, and `keys`/`values` are views of the filled prefix [0, length). Compaction
     (`keep`) and trimming (`truncate`) move or drop positions inside that storage."""
@@ -108,3 +111,12 @@ class InPlaceLayer(DynamicLayer):
         self._key_store = self._value_store = None
         self.length = 0
         super().reset()
+
+
+class InPlaceCache(DynamicCache):
+    """The dynamic cache transformers builds for a config, its full-attention layers written in place (InPlaceLayer);
+    other layers (sliding windows) as transformers makes them."""
+
+    def __init__(self, config):
+        stock = DynamicCache(config=config).layers
+        Cache.__init__(self, layers=[InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in stock])

@@ -4,15 +4,13 @@ small-row GEMMs.
 Stock PyTorch takes a gemv for one row and, for 2+ rows, a GEMM that repacks the weight on every call, so a forward
 over a small tree costs well above a one-token step although it reads the same weights; with the weights packed
 once, the GEMM for 16 rows reads them as one row does. Projections that read the same input (a layer's q, k and v)
-run as one GEMM over their concatenated weights. The packed modules are built from the stock modules' own weights
-and the stock modules are put back after use (`ModuleSwap`). Below a row count measured once per machine
-(`RowDispatch`, calibration.py) they call the stock kernel instead: on some CPUs it beats the packed one at a few
-rows, on others it never does (docs/execution.md).
+run as one GEMM over their concatenated weights. The packed modules share the stock modules' weights and stand in
+for them in the path's twin of the model (twin.py): the model itself keeps its stock modules. Below a row count
+measured once per machine (`RowDispatch`, calibration.py) they call the stock kernel instead: on some CPUs it beats
+the packed one at a few rows, on others it never does (docs/execution.md).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -112,22 +110,6 @@ class SharedInputLinear(torch.nn.Module):
         return self.product.output(self.index, hidden)
 
 
-@dataclass(frozen=True)
-class ModuleSwap:
-    """One child module of `parent` (at `attribute`) and the fast module that stands in for it on the fast path."""
-
-    parent: torch.nn.Module
-    attribute: str
-    stock: torch.nn.Module
-    fast: torch.nn.Module
-
-    def apply(self) -> None:
-        setattr(self.parent, self.attribute, self.fast)
-
-    def restore(self) -> None:
-        setattr(self.parent, self.attribute, self.stock)
-
-
 def plain_linears(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
     """(parent, attribute, layer) for every plain nn.Linear inside `module`."""
     return [
@@ -138,8 +120,8 @@ def plain_linears(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, t
     ]
 
 
-def _shared_input_swaps(module: torch.nn.Module, dispatch: RowDispatch) -> list[ModuleSwap]:
-    swaps = []
+def _pack_shared_inputs(module: torch.nn.Module, dispatch: RowDispatch) -> list[torch.nn.Module]:
+    packed = []
     for parent in module.modules():
         for names in SHARED_INPUT_GROUPS:
             layers = [getattr(parent, name, None) for name in names]
@@ -148,29 +130,20 @@ def _shared_input_swaps(module: torch.nn.Module, dispatch: RowDispatch) -> list[
                 and len({(layer.in_features, layer.weight.dtype) for layer in layers}) == 1
             ):
                 product = SharedInputProduct(layers, dispatch)
-                swaps += [
-                    ModuleSwap(parent, name, layer, SharedInputLinear(layer, product, index))
-                    for index, (name, layer) in enumerate(zip(names, layers, strict=True))
-                ]
-    return swaps
+                for index, (name, layer) in enumerate(zip(names, layers, strict=True)):
+                    packed.append(SharedInputLinear(layer, product, index))
+                    setattr(parent, name, packed[-1])
+    return packed
 
 
-def linear_swaps(model: torch.nn.Module, dispatch: RowDispatch) -> list[ModuleSwap]:
-    """A swap for every nn.Linear of the model, packed once: sibling projections that read one input
-    (SHARED_INPUT_GROUPS) as one GEMM, the others each on its own."""
+def pack_linears(module: torch.nn.Module, dispatch: RowDispatch, share_inputs: bool = True) -> list[torch.nn.Module]:
+    """Replace every nn.Linear inside `module`, which must be frozen and inference-only (the fast path's twin of the
+    target, a drafter's head), with a packed one sharing its weights: sibling projections that read one input
+    (SHARED_INPUT_GROUPS) as one GEMM where `share_inputs`, the others each on its own. Returns the packed modules
+    in the module's order (calibration times them as a forward streams them)."""
     with torch.no_grad():
-        swaps = _shared_input_swaps(model, dispatch)
-        shared = {id(swap.stock) for swap in swaps}
-        swaps += [
-            ModuleSwap(parent, attribute, child, PackedLinear(child, dispatch))
-            for parent, attribute, child in plain_linears(model)
-            if id(child) not in shared
-        ]
-    return swaps
-
-
-def pack_linears_for_good(module: torch.nn.Module, dispatch: RowDispatch) -> None:
-    """Swap every nn.Linear inside a frozen, inference-only module (a drafter's head) for a packed one, for good."""
-    with torch.no_grad():
+        packed = _pack_shared_inputs(module, dispatch) if share_inputs else []
         for parent, attribute, child in plain_linears(module):
-            setattr(parent, attribute, PackedLinear(child, dispatch))
+            packed.append(PackedLinear(child, dispatch))
+            setattr(parent, attribute, packed[-1])
+    return packed

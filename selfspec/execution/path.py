@@ -1,15 +1,16 @@
-"""`ExecutionPath`: one model's path (chosen by selection.py), switched on only inside `active()`, which the decoding
-loop enters for a whole generation: transformers' own `generate`, training and anything else that uses the model
-outside it run the stock modules.
+"""`ExecutionPath`: how one model's forward runs (the path chosen by selection.py), as a call: `forward` is what the
+decoding loop and every drafter that runs the target's layers call. The model object, its config and its modules
+stay as transformers made them; `active()` marks a generation, so that the path cannot change under it.
 
-Inside `active()` on `fast`, the linear layers are packed ones (linears.py, their row split calibrated once per
-machine: calibration.py) and `sdpa` models attend with the grouped-head SDPA (attention.py); `new_cache` gives the KV
-cache written in place (kv_storage.py). On `compiled`, the model's forward also routes the decoding steps to the
-compiled graphs (compiled.py) and anything else (prefill) to the eager fast path.
+On `fast`, `forward` runs the path's twin of the model (twin.py: its own modules and config, the same weights), whose
+linear layers are packed ones (linears.py, their row split calibrated once per machine: calibration.py) and whose
+`sdpa` attention is the grouped-head SDPA (attention.py, set through `set_attn_implementation`); `new_cache` gives the
+KV cache written in place (kv_storage.py). On `compiled`, `forward` sends the decoding steps to the compiled graphs
+(compiled.py) and anything else (prefill) to the twin.
 
-The path is settled by `prepare()` (the first `active()`, or anything that keys on `name` first): under `auto`, where
-the compiled graphs are not stored, it is `fast`, with the build `pending`; `start_build()` starts it in the
-background (background.py) and `switch_if_ready()` takes the compiled path once it is stored, never inside an
+The path is settled by `prepare()` (the first `forward` or `active()`, or anything that keys on `name` first): under
+`auto`, where the compiled graphs are not stored, it is `fast`, with the build `pending`; `start_build()` starts it in
+the background (background.py) and `switch_if_ready()` takes the compiled path once it is stored, never inside an
 `active()` block, so a generation runs on one path from its first token to its last.
 """
 
@@ -21,7 +22,6 @@ from typing import Iterator
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from ..errors import SelfspecError, first_line
 from .attention import GROUPED_SDPA
@@ -29,9 +29,10 @@ from .background import BackgroundBuild
 from .calibration import calibrate
 from .capabilities import CpuCapabilities, detect_capabilities
 from .compiled import CompiledStep
-from .kv_storage import InPlaceLayer
-from .linears import ModuleSwap, RowDispatch, linear_swaps, pack_linears_for_good
+from .kv_storage import InPlaceCache
+from .linears import RowDispatch, pack_linears
 from .selection import compile_mode, model_traits, select_path
+from .twin import sharing_copy
 
 
 class ExecutionPath:
@@ -56,54 +57,72 @@ class ExecutionPath:
         self.model, self.source = model, source
         self.requested = kernels
         self.name, self.note = choice.name, choice.note
-        self.dispatch = RowDispatch()  # calibrated when the swaps are built, before any step runs
+        self.dispatch = RowDispatch()  # calibrated when the twin is built, before any step runs
         self.compiled = CompiledStep(model, model_name, dispatch=self.dispatch) if self.name == "compiled" else None
         self.pending: CompiledStep | None = None  # under `auto`: graphs not stored yet, the fast path runs meanwhile
         self.build: BackgroundBuild | None = None
-        self._swaps: list[ModuleSwap] | None = None
+        self._twin: torch.nn.Module | None = None  # fast and compiled: the model's twin with packed linear layers
+        self._forward = model  # what `forward` calls, settled by `prepare`
         self._prepared = False
-        self.recalibrate = False  # measure the row split anew when the swaps are built, not read the stored one
-        self._depth = 0  # nested activations: only the outermost swaps modules in and out
+        self.recalibrate = False  # measure the row split anew when the twin is built, not read the stored one
+        self._depth = 0  # generations in flight (nested `active()` blocks)
 
     def row_split(self) -> RowDispatch:
-        """The fast path's row split, calibrated now (packing the linears) if it was not yet."""
-        if self._swaps is None:
-            self._swaps = self._build_swaps()
+        """The fast path's row split, calibrated now (building the twin with its packed linears) if it was not yet."""
+        if self._twin is None:
+            self._twin = self._build_twin()
         return self.dispatch
 
-    def _build_swaps(self) -> list[ModuleSwap]:
-        swaps = linear_swaps(self.model, self.dispatch)
-        calibrate(self.dispatch, [swap.fast for swap in swaps], remeasure=self.recalibrate)
-        return swaps
+    def _build_twin(self) -> torch.nn.Module:
+        twin = sharing_copy(self.model)
+        if twin.config._attn_implementation == "sdpa":
+            twin.set_attn_implementation(GROUPED_SDPA)
+        calibrate(self.dispatch, pack_linears(twin, self.dispatch), remeasure=self.recalibrate)
+        return twin
+
+    @property
+    def runner(self) -> torch.nn.Module:
+        """The module tree this path's eager forward runs (the model on `stock`, else its twin): for a drafter that runs
+        the target's own layers (layer-skip), so that it drafts on the path the target verifies on."""
+        self.prepare()
+        return self.model if self._twin is None else self._twin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        output_hidden_states: bool = False,
+        use_cache: bool = True,
+        **model_kwargs,
+    ):
+        """One forward of the target on this path over `input_ids` [batch, n] at `position_ids`, under
+        `attention_mask` (None: causal; 4D: additive, over the cached positions and the new ones), appending their
+        keys and values to `past_key_values` -> the model's output (logits, hidden states when asked). Other keyword
+        arguments go to the model's forward as they are (`logits_to_keep`; the compiled graphs leave such calls to the
+        twin)."""
+        self.prepare()
+        return self._forward(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            **model_kwargs,
+        )
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Run the model on this path inside the block; the stock modules are back afterwards, whatever happens."""
-        if self.name == "stock" or self._depth:
-            self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-            return
-        self.prepare()  # compiling traces the stock modules, so before the packed ones go in
-        config = self.model.config
-        attention = config._attn_implementation
-        if attention == "sdpa":
-            config._attn_implementation = GROUPED_SDPA
-        for swap in self._swaps:
-            swap.apply()
-        if self.compiled is not None:
-            self.model.forward = self.compiled.route(type(self.model).forward.__get__(self.model))
-        self._depth = 1
+        """A generation runs inside the block: the path is settled at its start and cannot change (switch_if_ready)
+        before it ends."""
+        self.prepare()
+        self._depth += 1
         try:
             yield
         finally:
-            self._depth = 0
-            self.model.__dict__.pop("forward", None)
-            config._attn_implementation = attention
-            for swap in self._swaps:
-                swap.restore()
+            self._depth -= 1
 
     def prepare(self) -> None:
         """Settle the path before anything runs on it or keys on its name (the cost curve): pack the linears and
@@ -118,7 +137,11 @@ class ExecutionPath:
             self.name, self.note = "fast", "compiled graphs not stored yet"
         elif self.compiled is not None:
             self._load_compiled()
+        self._settle_forward()
         self._prepared = True
+
+    def _settle_forward(self) -> None:
+        self._forward = self._twin if self.compiled is None else self.compiled.route(self._twin)
 
     def start_build(self) -> str:
         """Between requests (the API's): start building the pending graphs in the background, once -> a line for the
@@ -142,6 +165,7 @@ class ExecutionPath:
             return False
         self.compiled, self.pending = self.pending, None
         self.name, self.note = "compiled", ""
+        self._settle_forward()
         return True
 
     def between_requests(self) -> bool:
@@ -175,17 +199,15 @@ class ExecutionPath:
 
     def pack(self, module: torch.nn.Module) -> bool:
         """For a drafter's own frozen, inference-only modules (its heads): on `fast` and `compiled`, every nn.Linear
-        inside is swapped for good for a packed one, as the target's are inside `active()`. Returns whether it
-        packed."""
+        inside is replaced for good by a packed one, as in the target's twin. Returns whether it packed."""
         if self.name == "stock":
             return False
-        pack_linears_for_good(module, self.dispatch)
+        pack_linears(module, self.dispatch, share_inputs=False)
         return True
 
     def new_cache(self) -> DynamicCache:
         """A KV cache for this path: on `fast` and `compiled`, full-attention layers are written in place
-        (InPlaceLayer)."""
-        cache = DynamicCache(config=self.model.config)
-        if self.name != "stock":
-            cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-        return cache
+        (kv_storage.InPlaceCache)."""
+        if self.name == "stock":
+            return DynamicCache(config=self.model.config)
+        return InPlaceCache(self.model.config)

@@ -24,6 +24,7 @@ import torch
 
 from ..cost import CostCurve
 from ..errors import SelfspecError, first_line
+from ..execution import sharing_copy
 from ..models import Target
 from ..tree_attention import DraftTree
 from .artifacts import ADAPTER, LoadedHead
@@ -214,7 +215,7 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     try:
-        model = _sharing_copy(target.model)
+        model = sharing_copy(target.model, new_parameters=True)
     except (RuntimeError, TypeError, NotImplementedError, copy.Error) as error:
         raise SelfspecError(
             f"Medusa-2 heads need a copy of the target to merge their adapter into, and this model "
@@ -231,12 +232,3 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
         model=model, tokenizer=target.tokenizer, name=target.name, adapters=[key], kernels=target.kernels
     )
     return adapted_target.with_eos(target.eos_token_ids)
-
-
-def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the module tree whose parameters and buffers share the original's memory: new Parameter objects (so
-    flags set on the copy's, such as requires_grad, stay the copy's), the same storage."""
-    shared: dict[int, object] = {id(buffer): buffer for buffer in model.buffers()}
-    for weight in model.parameters():  # tied weights are one Parameter: the copy's stay tied
-        shared[id(weight)] = torch.nn.Parameter(weight.data, requires_grad=weight.requires_grad)
-    return copy.deepcopy(model, memo=shared)

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..execution import InPlaceLayer
+from ..execution import InPlaceCache
 from ..models import Target
 
 DROP_FINISHED = 0.25  # finished rows leave the batch once they are this share of it (each drop copies the cache)
@@ -67,12 +67,11 @@ def greedy_replies(target: Target, prompts: list[list[int]], max_new_tokens: int
                 chosen, next_positions, keys = chosen[kept], next_positions[kept], keys[kept]
                 finished_in_batch = set()
             cached += 1
-            logits = target.model(
-                input_ids=chosen.view(-1, 1),
+            logits = target.forward(
+                chosen.view(-1, 1),
                 attention_mask=keys[:, None, None, :cached],
                 position_ids=next_positions.view(-1, 1),
                 past_key_values=cache,
-                use_cache=True,
             ).logits[:, -1]
             next_positions = next_positions + 1
     return replies
@@ -106,12 +105,11 @@ def _prefill(target: Target, prompts: list[list[int]], width: int) -> tuple[Dyna
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         chunk_cache = _in_place_cache(target)
         logits.append(
-            target.model(
-                input_ids=input_ids.to(device),
+            target.forward(
+                input_ids.to(device),
                 attention_mask=mask.unsqueeze(1).to(device),
                 position_ids=(real.long().cumsum(-1) - 1).clamp(min=0).to(device),
                 past_key_values=chunk_cache,
-                use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
         )
@@ -127,6 +125,4 @@ def _prefill(target: Target, prompts: list[list[int]], width: int) -> tuple[Dyna
 
 
 def _in_place_cache(target: Target) -> DynamicCache:
-    cache = DynamicCache(config=target.model.config)
-    cache.layers = [InPlaceLayer() for _ in cache.layers]
-    return cache
+    return InPlaceCache(target.model.config)  # every layer in place: full attention only (see above)

@@ -1,12 +1,13 @@
 """The tree as data, its mask and positions, the target forward over it, the verifier and KV-cache compaction."""
 
-from .cache import compact_cache, trim_cache
+from .cache import CompactsInPlace, compact_cache, trim_cache
 from .forward import ForwardOutput, chunk_forward, tree_forward
 from .inputs import TreeInputs, ancestor_matrix, build_tree_inputs, causal_block_mask
 from .tree import DraftTree
 from .verifier import VerifyResult, verify
 
 __all__ = [
+    "CompactsInPlace",
     "DraftTree",
     "ForwardOutput",
     "TreeInputs",

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from transformers import Cache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+
+class CompactsInPlace(abc.ABC):
+    """A cache layer that keeps its positions in storage of its own and compacts or trims them there (the fast path's
+    selfspec.execution.InPlaceLayer), rather than by replacing its `keys` and `values` tensors."""
+
+    @abc.abstractmethod
+    def keep(self, base: int, offsets: torch.Tensor) -> None:
+        """Keep positions [0, base) and then base + offsets (ascending), packed together from `base` on."""
+
+    @abc.abstractmethod
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions."""
 
 
 def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) -> None:
@@ -22,7 +38,7 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
         base = stored - n_nodes  # where the tree starts in this layer's storage
         if base < 0:
             raise RuntimeError(f"the cache holds {stored} positions, fewer than the {n_nodes}-node tree just forwarded")
-        if hasattr(layer, "keep"):  # storage written in place (selfspec.execution.InPlaceLayer)
+        if isinstance(layer, CompactsInPlace):
             if is_chain_prefix:
                 layer.truncate(base + kept)
             else:
@@ -41,14 +57,14 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
             )
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
-        if hasattr(layer, "cumulative_length"):  # sliding-window layers count the positions they have seen
+        if isinstance(layer, DynamicSlidingWindowLayer):  # they count the positions they have seen
             layer.cumulative_length -= n_nodes - kept
 
 
 def trim_cache(cache: Cache, length: int) -> None:
     """Keep the first `length` positions of every layer that holds any (a drafter's own cache after a proposal)."""
     for layer in cache.layers:
-        if hasattr(layer, "truncate"):
+        if isinstance(layer, CompactsInPlace):
             layer.truncate(length)
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]

@@ -1,9 +1,12 @@
-"""One forward of the unmodified target, over a draft tree or a plain chunk of tokens, reusing the KV cache."""
+"""One forward of the unmodified target, over a draft tree or a plain chunk of tokens, reusing the KV cache. `forward`
+is the target's forward on its execution path (`Target.forward`), or a transformers model itself (the stock path):
+anything called with transformers' keyword arguments."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import Cache
@@ -23,11 +26,11 @@ def _collect(outputs, hidden_layers: tuple[int, ...]) -> ForwardOutput:
 
 
 def tree_forward(
-    model: torch.nn.Module, cache: Cache, inputs: TreeInputs, hidden_layers: tuple[int, ...] = ()
+    forward: Callable, cache: Cache, inputs: TreeInputs, hidden_layers: tuple[int, ...] = ()
 ) -> ForwardOutput:
     """Run the target over the tree nodes under the tree mask; the nodes' KV is appended to `cache`."""
     with _masked_attention_kernels(inputs):
-        outputs = model(
+        outputs = forward(
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,
             attention_mask=inputs.attention_mask,
@@ -49,12 +52,12 @@ def _masked_attention_kernels(inputs: TreeInputs):
 
 
 def chunk_forward(
-    model: torch.nn.Module, cache: Cache, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()
+    forward: Callable, cache: Cache, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()
 ) -> ForwardOutput:
     """Plain causal forward of `input_ids` [1, m] after whatever `cache` holds (used for prefill)."""
     start = cache.get_seq_length()
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).view(1, -1)
-    outputs = model(
+    outputs = forward(
         input_ids=input_ids,
         position_ids=positions,
         past_key_values=cache,

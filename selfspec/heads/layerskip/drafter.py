@@ -33,7 +33,7 @@ class LayerSkipDrafter(Drafter):
         super().__init__(target, cost_curve, options)
         self.settings = settings
         self.adaptive = options.adaptive
-        self.forward = SkippingForward(
+        self.skipping = SkippingForward(
             target, SkipPlan.from_settings(settings, target.config.num_hidden_layers), draft_vocab
         )
         self.reset()
@@ -88,7 +88,7 @@ class LayerSkipDrafter(Drafter):
 
     def _draft_logits(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor(tokens, device=self.target.device)
-        logits = self.forward(ids, self.cache, len(self.cached), last_only=True)
+        logits = self.skipping(ids, self.cache, len(self.cached), last_only=True)
         self.cached.extend(tokens)
         return logits[-1]
 
@@ -106,7 +106,7 @@ class LayerSkipDrafter(Drafter):
                 top_probs = top.values.tolist()  # one host sync per drafted token
                 if top_probs[0] < self.threshold:
                     break
-                top_ids = self.forward.to_target_ids(top.indices).tolist()
+                top_ids = self.skipping.to_target_ids(top.indices).tolist()
                 tokens.append(top_ids[0])
                 parents.append(chain_node)
                 next_chain_node = len(tokens) - 1

@@ -14,7 +14,7 @@ class SkippingForward:
     """The target's forward with sublayers skipped, over its own modules. Stateless: the caller owns the cache."""
 
     def __init__(self, target: Target, plan: SkipPlan, draft_vocab: torch.Tensor | None, split_all: bool = False):
-        model = target.model
+        model = target.execution.runner  # the module tree the target's path runs (its twin with packed linears)
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, name) for name in ("layers", "norm", "rotary_emb")):
             raise SelfspecError(f"layerskip: {type(model).__name__} does not expose model.layers / norm / rotary_emb")
