@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target("default", device="cpu", dtype=torch.float32, kernels="stock")
+    target = load_target("default", device="cpu", dtype=torch.float32, path="stock")
     kind = heads_kind(Path(args.heads))
     head = create_drafter(kind, target, Path(args.heads)).head.float().eval()
     verifier = Path(args.verifier).expanduser()

@@ -90,10 +90,10 @@ class SelfSpec:
         heads: str | os.PathLike | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
-        kernels: str = "auto",
+        path: str = "auto",
         **drafter_options,
     ):
-        """kernels: the target's execution path when it is loaded here (auto, stock, fast or compiled: see
+        """path: the target's execution path when it is loaded here (auto, stock, fast or compiled: see
         selfspec.execution).
 
         The drafter's name and options are checked here, before the model loads; the drafter itself is built on first
@@ -101,9 +101,7 @@ class SelfSpec:
         machine's cost curve and pack, calibrate or compile the target's path (minutes, once per machine), which a
         bad request must not wait for."""
         parse_drafter_options(drafter, **drafter_options)
-        self.target = (
-            model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, kernels=kernels)
-        )
+        self.target = model if isinstance(model, Target) else load_target(model, device=device, dtype=dtype, path=path)
         self._drafter_spec, self._heads, self._drafter_options = drafter, heads, drafter_options
         self._drafter: Drafter | None = None
         self._curve_path = ""  # the execution path the drafter's cost curve was made for

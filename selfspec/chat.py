@@ -89,7 +89,7 @@ class BurstPainter:
 def status_line(drafter_name: str, stats, sources: dict[str, int] | None) -> str:
     line = (
         f"[{drafter_name} | {stats.tokens_per_s:.1f} tok/s | tau {stats.mean_accepted_length:.2f} | "
-        f"{stats.new_tokens} tokens" + (f" | {stats.kernels} path" if stats.kernels else "")
+        f"{stats.new_tokens} tokens" + (f" | {stats.path} path" if stats.path else "")
     )
     if sources:
         line += " | accepted: " + " ".join(f"{name}={count}" for name, count in sources.items())
@@ -118,7 +118,7 @@ def run_chat(
     drafter = spec.drafter
     if interactive:
         stdout.write(
-            f"selfspec chat: {spec.target.name}, drafter {drafter.describe()}, kernels "
+            f"selfspec chat: {spec.target.name}, drafter {drafter.describe()}, path "
             f"{spec.target.execution.name}. {COMMANDS}.\n"
         )
         stdout.flush()

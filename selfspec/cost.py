@@ -95,29 +95,29 @@ def device_key(device: torch.device | str) -> str:
 
 
 def profile_path(
-    device: torch.device | str, model_name: str, kernels: str = "stock", dtype: torch.dtype = torch.float32
+    device: torch.device | str, model_name: str, path: str = "stock", dtype: torch.dtype = torch.float32
 ) -> Path:
     """One profile per device, model, execution path and dtype (a bfloat16 step costs differently from a float32 one;
     float32's file keeps the name it had before the dtype joined the key). `model_name` is `Target.cost_key`, the
     folder name with a digest of the model's shapes, wherever selfspec stores or reads a target's curve."""
     suffix = "" if dtype == torch.float32 else "--" + str(dtype).replace("torch.", "")
-    return cache_root() / "profiles" / f"{device_key(device)}--{model_name}--{kernels}{suffix}.json"
+    return cache_root() / "profiles" / f"{device_key(device)}--{model_name}--{path}{suffix}.json"
 
 
 def load_cost_curve(
-    device: torch.device | str, model_name: str, kernels: str = "stock", dtype: torch.dtype = torch.float32
+    device: torch.device | str, model_name: str, path: str = "stock", dtype: torch.dtype = torch.float32
 ) -> CostCurve:
-    """The stored profile for this device, model, execution path (`kernels`: stock, fast or compiled) and dtype if
+    """The stored profile for this device, model, execution path (`path`: stock, fast or compiled) and dtype if
     `selfspec profile` made one on the path as it is now (PATH_REVISIONS), else the built-in estimate for that path."""
-    path = profile_path(device, model_name, kernels, dtype)
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("path_revision", 1) == PATH_REVISIONS.get(kernels, 1):  # else measured on an older path: unused
-            return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(path))
+    stored = profile_path(device, model_name, path, dtype)
+    if stored.is_file():
+        data = json.loads(stored.read_text())
+        if data.get("path_revision", 1) == PATH_REVISIONS.get(path, 1):  # else measured on an older path: unused
+            return CostCurve(tuple(data["sizes"]), tuple(data["relative_cost"]), source=str(stored))
     kind = (
         "cuda"
         if torch.device(device).type == "cuda"
-        else {"fast": "cpu-fast", "compiled": "cpu-compiled"}.get(kernels, "cpu")
+        else {"fast": "cpu-fast", "compiled": "cpu-compiled"}.get(path, "cpu")
     )
     table = _BUILTIN[kind]
     return CostCurve(tuple(table), tuple(table.values()), source=f"builtin ({kind})")
@@ -242,11 +242,11 @@ def save_cost_curve(
     curve: CostCurve,
     device: torch.device | str,
     model_name: str,
-    kernels: str = "stock",
+    path: str = "stock",
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    document = curve.to_dict() | {"path_revision": PATH_REVISIONS.get(kernels, 1)}
-    return atomic_write_text(profile_path(device, model_name, kernels, dtype), json.dumps(document, indent=1))
+    document = curve.to_dict() | {"path_revision": PATH_REVISIONS.get(path, 1)}
+    return atomic_write_text(profile_path(device, model_name, path, dtype), json.dumps(document, indent=1))
 
 
 def _synchronize(device: torch.device) -> None:

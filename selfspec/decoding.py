@@ -32,7 +32,7 @@ class GenerationStats:
     paused_steps: int = 0  # steps the drafter's pacing did not ask it for a tree, its drafting not paying (Paced)
     draft_s: float = 0.0  # the drafter's share of the steps: its proposals and its bookkeeping of the results
     verify_s: float = 0.0  # the target's tree forwards and their verification (the rest: prefill, the loop itself)
-    kernels: str = ""  # the execution path the whole generation ran on (stock, fast or compiled)
+    path: str = ""  # the execution path the whole generation ran on (stock, fast or compiled)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -141,7 +141,7 @@ def _generate(
     paused_before = drafter.stats().paused_steps
     start = time.perf_counter()
     with torch.inference_mode(), target.execution.active():
-        kernels = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
+        path = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
         prefill = chunk_forward(forward, cache, input_ids[:, :-1], drafter.hidden_layers) if committed[1:] else None
@@ -195,7 +195,7 @@ def _generate(
         paused_steps=drafter.stats().paused_steps - paused_before,
         draft_s=draft_s,
         verify_s=verify_s,
-        kernels=kernels,
+        path=path,
     )
     return tuple(new_tokens), stats
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .errors import SelfspecError, first_line
-from .execution import KERNEL_CHOICES, ExecutionPath
+from .execution import PATH_CHOICES, ExecutionPath
 from .files import cache_root
 from .memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES
 
@@ -75,13 +75,13 @@ class Target:
     name: str = "model"
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
-    kernels: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.execution)
+    path: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.execution)
     source: str | None = None  # the model as load_target took it (a background compile loads it again), if it did
 
     @cached_property
     def execution(self) -> ExecutionPath:
         """How the decoding loop runs the model (the stock modules everywhere else)."""
-        return ExecutionPath(self.model, self.kernels, self.name, source=self.source)
+        return ExecutionPath(self.model, self.path, self.name, source=self.source)
 
     def forward(self, input_ids: torch.Tensor, **kwargs):
         """One forward on the execution path in use (ExecutionPath.forward: position_ids, attention_mask,
@@ -289,23 +289,23 @@ def load_target(
     spec: str | os.PathLike = DEFAULT_MODEL,
     device: str | None = None,
     dtype: torch.dtype | None = None,
-    kernels: str = "auto",
+    path: str = "auto",
 ) -> Target:
     """Load `default`, a checkpoint directory, a `.gguf` file, or a hub id already in the local HF cache."""
     apply_environment_defaults()
-    if kernels not in KERNEL_CHOICES:
-        raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
+    if path not in PATH_CHOICES:
+        raise SelfspecError(f"the execution path must be one of {', '.join(PATH_CHOICES)}, got '{path}'")
     device = device or _default_device()
     dtype = dtype or _default_dtype(device)
     spec = str(spec)
     if spec == DEFAULT_MODEL:
-        path, name = default_checkpoint_dir(), DEFAULT_MODEL_NAME
+        location, name = default_checkpoint_dir(), DEFAULT_MODEL_NAME
     else:
-        path, name = Path(spec).expanduser(), Path(spec).name
-    if path.is_file() and path.suffix == ".gguf":
-        model, tokenizer = _load_gguf(path, dtype)
-    elif path.is_dir():
-        model, tokenizer = _load_checkpoint_dir(path, dtype)
+        location, name = Path(spec).expanduser(), Path(spec).name
+    if location.is_file() and location.suffix == ".gguf":
+        model, tokenizer = _load_gguf(location, dtype)
+    elif location.is_dir():
+        model, tokenizer = _load_checkpoint_dir(location, dtype)
     elif _looks_like_hub_id(spec):
         model, tokenizer = _load_from_hf_cache(spec, dtype)
     else:
@@ -315,9 +315,9 @@ def load_target(
     model.to(device).eval()
     if torch.device(device).type == "cpu":
         _own_memory(model)
-    source = spec if spec == DEFAULT_MODEL or not path.exists() else str(path.resolve())
-    target = Target(model=model, tokenizer=tokenizer, name=name, kernels=kernels, source=source)
-    target.execution  # noqa: B018  (checks the kernels choice now, before any generation)
+    source = spec if spec == DEFAULT_MODEL or not location.exists() else str(location.resolve())
+    target = Target(model=model, tokenizer=tokenizer, name=name, path=path, source=source)
+    target.execution  # noqa: B018  (checks the path choice now, before any generation)
     return target
 
 

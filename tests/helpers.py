@@ -76,7 +76,7 @@ CORE_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
 
 
 def make_tiny_target(
-    family: str = "llama", vocab_size: int = 96, seed: int = 0, kernels: str = "auto", **overrides
+    family: str = "llama", vocab_size: int = 96, seed: int = 0, path: str = "auto", **overrides
 ) -> Target:
     config_cls, model_cls, extra = FAMILIES[family]
     config = config_cls(vocab_size=vocab_size, **{**_COMMON, **extra, **overrides})
@@ -84,7 +84,7 @@ def make_tiny_target(
     model = model_cls(config).eval()
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
-    return Target(model=model, tokenizer=None, name=f"tiny-{family}", kernels=kernels)  # auto: stock for tiny models
+    return Target(model=model, tokenizer=None, name=f"tiny-{family}", path=path)  # auto: stock for tiny models
 
 
 def make_word_tokenizer(words: list[str]):
@@ -144,10 +144,10 @@ CHI_PROMPT = [
 SAMPLING = SamplingConfig(temperature=1.0, top_k=6, top_p=0.9)
 
 
-def chi_target(num_hidden_layers: int = 1, kernels: str = "auto", family: str = "llama") -> Target:
+def chi_target(num_hidden_layers: int = 1, path: str = "auto", family: str = "llama") -> Target:
     """A tiny target over VOCAB tokens with spread-out distributions, no EOS."""
     target = make_tiny_target(
-        family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers, kernels=kernels
+        family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers, path=path
     )
     return target.with_eos(())
 

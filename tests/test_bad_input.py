@@ -178,7 +178,7 @@ def most_first_use_work() -> str:
     ],
 )
 def test_api_checks_the_request_before_first_use_work(tiny_checkpoint, fresh_machine, kwargs, fragment):
-    spec = SelfSpec(tiny_checkpoint, drafter="ngram", kernels=most_first_use_work())  # the drafter waits for a request
+    spec = SelfSpec(tiny_checkpoint, drafter="ngram", path=most_first_use_work())  # the drafter waits for a request
     with pytest.raises(SelfspecError, match=fragment):
         spec.generate(**kwargs)
     with pytest.raises(SelfspecError, match="unknown drafter 'eagel'"):
@@ -189,7 +189,7 @@ def test_api_checks_the_request_before_first_use_work(tiny_checkpoint, fresh_mac
 
 
 def test_cli_checks_the_request_before_first_use_work(tiny_checkpoint, fresh_machine, capsys):
-    command = ["generate", "--model", str(tiny_checkpoint), "--kernels", most_first_use_work(), "--prompt", LONG_PROMPT]
+    command = ["generate", "--model", str(tiny_checkpoint), "--path", most_first_use_work(), "--prompt", LONG_PROMPT]
     assert main(command) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and "no room" in err, err
@@ -209,7 +209,7 @@ def test_a_new_user_with_a_long_prompt_sees_the_error_alone(tiny_checkpoint, tmp
             "generate",
             "--model",
             str(tiny_checkpoint),
-            "--kernels",
+            "--path",
             "fast",
             "--prompt",
             LONG_PROMPT,

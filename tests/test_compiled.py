@@ -55,7 +55,7 @@ def compiled_target(tmp_path_factory):
 
     messages = []
     base = without_eos(make_tiny_target("llama", max_position_embeddings=512))
-    target = Target(model=base.model, tokenizer=None, name=base.name, kernels="compiled").with_eos(())
+    target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
     target.execution.compiled.log = messages.append
     split = pytest.MonkeyPatch()
     split.setenv("SELFSPEC_STOCK_ROWS", "8")  # a row split that uses both graphs, so both are built (and kept)
@@ -189,7 +189,7 @@ def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_p
 def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     base = without_eos(make_tiny_target(family, max_position_embeddings=512))
-    target = Target(model=base.model, tokenizer=None, name=base.name, kernels="compiled").with_eos(())
+    target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
     target.execution.compiled.log = lambda message: None
     reference = hf_greedy(target, LONG_PROMPT, 30, eos=-1)
     for spec in ("none", "ngram"):
@@ -207,7 +207,7 @@ def test_sampling_through_the_compiled_path_follows_the_target_distribution(
     """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled; steps of
     1-3 tokens in `tree`, padded (a row split at 2), or in `few` (at 8)."""
     monkeypatch.setenv("SELFSPEC_STOCK_ROWS", stock_rows)
-    target = chi_target(kernels="compiled", family=family)
+    target = chi_target(path="compiled", family=family)
     target.execution.compiled.log = lambda message: None
     graphs = []
     choose = CompiledStep.graph_for
@@ -251,7 +251,7 @@ def test_choosing_the_compiled_path(monkeypatch, tmp_path):
     path = ExecutionPath(model, "auto")
     assert path.name == "fast" and COMPILE_ENV in path.note
     without_compiler = replace(detect_capabilities(), cxx_compiler=False)
-    with pytest.raises(SelfspecError, match="--kernels compiled: no C.. compiler"):
+    with pytest.raises(SelfspecError, match="--path compiled: no C.. compiler"):
         ExecutionPath(model, "compiled", capabilities=without_compiler)
 
 
@@ -286,7 +286,7 @@ def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_targe
     monkeypatch.setattr(
         CompiledStep, "__call__", lambda self, ids, *rest: calls.append(ids.shape[1]) or original(self, ids, *rest)
     )
-    auto = Target(model=target.model, tokenizer=None, name=target.name, kernels="auto", source="tiny").with_eos(())
+    auto = Target(model=target.model, tokenizer=None, name=target.name, path="auto", source="tiny").with_eos(())
     spec = SelfSpec(auto, drafter="ngram")
     refused = []
 
@@ -295,14 +295,14 @@ def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_targe
         refused.append(auto.execution.switch_if_ready())
 
     first = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40, on_step=graphs_arrive)
-    assert first.stats.kernels == "fast" and calls == [] and refused and not any(refused)
+    assert first.stats.path == "fast" and calls == [] and refused and not any(refused)
     assert auto.execution.name == "fast" and "built in the background" in capsys.readouterr().err
     assert spec.drafter.cost_curve.source.endswith("--fast.json")  # measured on the path it ran
     monkeypatch.setattr(
         "selfspec.cost.forward_time_samples", lambda *args, **kwargs: pytest.fail("measured while a request waits")
     )
     second = spec.generate(input_ids=LONG_PROMPT, max_new_tokens=40)
-    assert second.stats.kernels == "compiled" and calls and auto.execution.name == "compiled"
+    assert second.stats.path == "compiled" and calls and auto.execution.name == "compiled"
     # Until the build's stored curve is there, the compiled path's estimate sizes the trees.
     assert spec.drafter.cost_curve.source == "builtin (cpu-compiled)"
     assert capsys.readouterr().err.count("switching to the compiled path") == 1

@@ -182,9 +182,9 @@ def build(name: str, target: Target, tmp_path: Path, reduced: bool = False, **op
     return drafter
 
 
-def check_greedy(name: str, family: str, tmp_path: Path, kernels: str = "fast") -> None:
+def check_greedy(name: str, family: str, tmp_path: Path, path: str = "fast") -> None:
     case = case_for(name)
-    target = without_eos(make_tiny_target(family, kernels=kernels))
+    target = without_eos(make_tiny_target(family, path=path))
     reference = hf_greedy(target, PROMPT, 30, eos=-1)
     for reduced in (False, True) if case.make_artifacts else (False,):
         for options in case.greedy_options:
@@ -252,7 +252,7 @@ def test_sampling_follows_the_target_distribution(name, tmp_path):
     # Losslessness on the path decoding runs by default; each drafter on another architecture family, so the suite
     # covers them all at the cost of one run per drafter.
     family = CORE_FAMILIES[contract_names().index(name) % len(CORE_FAMILIES)]
-    target = chi_target(num_hidden_layers=2, kernels="fast", family=family)
+    target = chi_target(num_hidden_layers=2, path="fast", family=family)
     drafter = build(name, target, tmp_path, **case_for(name).chi_options)
     counts, drafted = torch.zeros(VOCAB, VOCAB), 0
     for seed in range(CHI_SAMPLES):

@@ -26,7 +26,7 @@ def reference(target, prompts, max_new_tokens):
 @pytest.mark.parametrize("prefill_positions", [4096, 24])  # one prefill forward; several, each its own width
 def test_each_reply_is_the_prompts_own_greedy_reply(family, kernels, prefill_positions, monkeypatch):
     monkeypatch.setattr(greedy_batch, "PREFILL_POSITIONS", prefill_positions)
-    target = make_tiny_target(family, kernels=kernels)
+    target = make_tiny_target(family, path=kernels)
     assert supports_in_place(target)
     prompts = PROMPTS * 3  # 12 rows: several drops of finished rows
     assert greedy_replies(target, prompts, 24) == reference(target, prompts, 24)

@@ -58,7 +58,7 @@ FAST_LINEARS = {PackedLinear, SharedInputLinear}  # the target's q/k/v projectio
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_layers_equal_the_stock_ones(family):
-    target = make_tiny_target(family, kernels="fast")
+    target = make_tiny_target(family, path="fast")
     assert make_tiny_target(family).execution.name == "stock"  # auto: too small for packing to pay
     tokens = torch.tensor([PROMPT])
     with torch.inference_mode():
@@ -120,7 +120,7 @@ def test_row_dispatch_sends_few_rows_to_the_stock_kernel():
 def test_the_stock_row_split_is_measured_once_per_machine_and_stored(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(STOCK_ROWS_ENV)
-    target = make_tiny_target("llama", kernels="fast")
+    target = make_tiny_target("llama", path="fast")
     with target.execution.active():
         pass
     measured = target.execution.dispatch
@@ -129,12 +129,12 @@ def test_the_stock_row_split_is_measured_once_per_machine_and_stored(tmp_path, m
     report = json.loads(stored[0].read_text())
     assert report["stock_rows"] == measured.stock_rows and 1 <= measured.stock_rows <= max(CALIBRATION_ROWS) + 1
     assert sorted(map(int, report["ms_stock_packed"])) == list(CALIBRATION_ROWS)
-    again = make_tiny_target("llama", kernels="fast").execution  # another path, same shapes: read, not measured
+    again = make_tiny_target("llama", path="fast").execution  # another path, same shapes: read, not measured
     with again.active():
         pass
     assert again.dispatch.source == str(stored[0]) and again.dispatch.stock_rows == measured.stock_rows
     monkeypatch.setenv(STOCK_ROWS_ENV, "5")
-    fixed = make_tiny_target("llama", kernels="fast").execution
+    fixed = make_tiny_target("llama", path="fast").execution
     with fixed.active():
         pass
     assert fixed.dispatch.stock_rows == 5 and fixed.dispatch.source == f"${STOCK_ROWS_ENV}"
@@ -147,7 +147,7 @@ TREE = DraftTree(tokens=torch.tensor([17, 5, 9, 33, 40, 8, 5]), parents=torch.te
 def test_tree_forward_on_the_fast_path_equals_the_stock_one(family):
     """Under a tree mask the fast path's attention reads the grouped key/value heads without repeating them, and its
     cache is written in place: logits and the cache after compaction match the stock path's."""
-    target = make_tiny_target(family, kernels="fast")
+    target = make_tiny_target(family, path="fast")
     stock = ExecutionPath(target.model, "stock")
     prefix = torch.tensor([PROMPT])
     results = {}
@@ -171,7 +171,7 @@ def test_tree_forward_on_the_fast_path_equals_the_stock_one(family):
 def test_the_in_place_cache_equals_a_fresh_prefill_after_compaction_and_growth():
     """Steps of trees with non-contiguous accepted paths, past the storage first reserved (so it grows), then a trim:
     the cache holds exactly what one prefill of the committed tokens computes."""
-    target = make_tiny_target("llama", kernels="fast", max_position_embeddings=512)
+    target = make_tiny_target("llama", path="fast", max_position_embeddings=512)
     generator = torch.Generator().manual_seed(0)
     committed = list(PROMPT)
     with torch.inference_mode(), target.execution.active():
@@ -201,12 +201,12 @@ def test_every_path_leaves_the_model_as_transformers_made_it(family, tmp_path):
     """The execution path is something the loop calls: decoding on `stock` and `fast`, with a drafter that runs the
     target's own layers (layer-skip) and one with heads, leaves the model's modules, parameters, config and forward
     as they were (the compiled path: test_compiled)."""
-    target = make_tiny_target(family, kernels="fast")
+    target = make_tiny_target(family, path="fast")
     made = model_as_made(target.model)
     prompt = torch.tensor([PROMPT])
     outputs = []
     for kernels in ("stock", "fast"):
-        on_path = Target(target.model, None, target.name, kernels=kernels).with_eos(())
+        on_path = Target(target.model, None, target.name, path=kernels).with_eos(())
         for name, heads in (("layerskip:skip=every-other", None), ("eagle", random_eagle_dir(target, tmp_path / "e"))):
             drafter = create_drafter(name, on_path, heads)
             tokens, _ = speculative_generate(on_path, drafter, prompt, max_new_tokens=12)
@@ -223,7 +223,7 @@ def test_greedy_is_plain_greedy_on_both_paths(family, tmp_path):
     outputs = {}
     for kernels in ("stock", "fast"):
         base = without_eos(make_tiny_target(family))
-        target = Target(model=base.model, tokenizer=None, name=base.name, kernels=kernels).with_eos(())
+        target = Target(model=base.model, tokenizer=None, name=base.name, path=kernels).with_eos(())
         assert target.execution.name == kernels
         reference = hf_greedy(target, PROMPT, 24, eos=-1)
         for spec, heads in (
@@ -238,11 +238,11 @@ def test_greedy_is_plain_greedy_on_both_paths(family, tmp_path):
 
 
 def test_kernel_choices_are_checked(tiny_checkpoint, capsys):
-    with pytest.raises(SelfspecError, match="kernels must be one of auto, stock, fast"):
-        load_target(str(tiny_checkpoint), kernels="turbo")
+    with pytest.raises(SelfspecError, match="the execution path must be one of auto, stock, fast"):
+        load_target(str(tiny_checkpoint), path="turbo")
     bf16 = make_tiny_target("llama")
     bf16.model.to(torch.bfloat16)
-    with pytest.raises(SelfspecError, match="packs float32 weights.*use --kernels stock or auto"):
+    with pytest.raises(SelfspecError, match="packs float32 weights.*use --path stock or auto"):
         ExecutionPath(bf16.model, "fast")
     assert ExecutionPath(bf16.model, "auto").name == "stock"
     assert (
@@ -253,7 +253,7 @@ def test_kernel_choices_are_checked(tiny_checkpoint, capsys):
                 str(tiny_checkpoint),
                 "--prompt",
                 "the cat",
-                "--kernels",
+                "--path",
                 "fast",
                 "--dtype",
                 "bfloat16",
@@ -273,7 +273,7 @@ def test_profile_reports_both_paths(tiny_checkpoint, capsys, tmp_path, monkeypat
     assert set(report["ms"]) == {"stock", "fast"} and all(len(v) == len(report["sizes"]) for v in report["ms"].values())
     stored = sorted(path.name for path in (tmp_path / "cache" / "profiles").iterdir())
     assert len(stored) == 2 and stored[0].endswith("--fast.json") and stored[1].endswith("--stock.json")
-    target = load_target(str(tiny_checkpoint), kernels="fast")
+    target = load_target(str(tiny_checkpoint), path="fast")
     assert create_drafter("ngram", target).cost_curve.source.endswith("--fast.json")  # drafters read the path in use
     assert create_drafter("ngram", load_target(str(tiny_checkpoint))).cost_curve.source.endswith("--stock.json")
     assert main(["profile", "--model", str(tiny_checkpoint), "--cache-length", "16", "--repeats", "1"]) == 0
@@ -295,14 +295,14 @@ def test_profile_recalibrate_measures_the_row_split_anew(tiny_checkpoint, capsys
     measured = json.loads(stored.read_text())
     assert json.loads(capsys.readouterr().out)["fast_stock_rows"] == measured["stock_rows"] <= max(CALIBRATION_ROWS) + 1
     assert set(map(int, measured["ms_stock_packed"])) == set(CALIBRATION_ROWS)
-    assert main([*args, "--recalibrate", "--kernels", "stock"]) == 2
+    assert main([*args, "--recalibrate", "--path", "stock"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
-    target = make_tiny_target("llama", kernels="fast")
+    target = make_tiny_target("llama", path="fast")
     first = create_drafter("ngram", target).cost_curve
     assert first.source.endswith("--fast.json") and first.sizes == (1, 2, 4, 8, 16, 32, 64)
     assert "measuring this machine's verification cost curve once" in capsys.readouterr().err
@@ -324,12 +324,12 @@ def test_a_row_split_measured_on_a_busy_machine_is_used_once_and_not_stored(tmp_
         return 4, {rows: [1.0, 2.0] for rows in CALIBRATION_ROWS}, (2.0 if len(tries) <= 3 else 1.1)
 
     monkeypatch.setattr("selfspec.execution.calibration.measure_stock_rows", measured)
-    busy = make_tiny_target("llama", kernels="fast").execution
+    busy = make_tiny_target("llama", path="fast").execution
     with busy.active():
         pass
     assert busy.dispatch.stock_rows == 4 and "busy" in busy.dispatch.source and len(tries) == 3
     assert "the machine is busy" in capsys.readouterr().err and not (tmp_path / "profiles").exists()
-    quiet = make_tiny_target("llama", kernels="fast").execution
+    quiet = make_tiny_target("llama", path="fast").execution
     with quiet.active():
         pass
     assert len(tries) == 4 and quiet.dispatch.source.startswith("measured, stored")
@@ -342,7 +342,7 @@ def test_a_curve_measured_on_a_busy_machine_is_not_stored(tmp_path, monkeypatch,
     and every later run drafted nothing)."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
-    target = make_tiny_target("llama", kernels="fast")
+    target = make_tiny_target("llama", path="fast")
     quiet = {n: [0.010 * (1 + n / 64)] * 3 for n in (1, 2, 4, 8, 16, 32, 64)}
     busy = {**quiet, 1: [0.010, 0.025, 0.030]}
     rounds = []
@@ -365,8 +365,8 @@ def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
     """A bfloat16 step costs differently from a float32 one: a curve measured in one never sizes the other's trees."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
-    single = make_tiny_target("llama", kernels="stock")
-    half = Target(copy.deepcopy(single.model).to(torch.bfloat16), None, single.name, kernels="stock")
+    single = make_tiny_target("llama", path="stock")
+    half = Target(copy.deepcopy(single.model).to(torch.bfloat16), None, single.name, path="stock")
     assert create_drafter("ngram", single).cost_curve.source.endswith("--stock.json")  # float32: the name it had
     capsys.readouterr()
     assert create_drafter("ngram", half).cost_curve.source.endswith("--stock--bfloat16.json")
@@ -426,9 +426,9 @@ def test_drafter_heads_are_packed_on_the_fast_path_and_compute_the_same(drafter,
     """On the fast path a drafter's frozen head runs its linear layers and its draft LM head packed, as the target's;
     the outputs equal the stock head's, and the head's state (what a heads directory holds) is unchanged."""
     make_dir = {"eagle": random_eagle_dir, "medusa": random_medusa_dir, "dflash": random_dflash_dir}[drafter]
-    fast_target = make_tiny_target("llama", kernels="fast")
+    fast_target = make_tiny_target("llama", path="fast")
     directory = make_dir(fast_target, tmp_path / drafter)
-    stock_target = Target(model=fast_target.model, tokenizer=None, name=fast_target.name, kernels="stock")
+    stock_target = Target(model=fast_target.model, tokenizer=None, name=fast_target.name, path="stock")
     heads = {}
     for name, target in (("fast", fast_target), ("stock", stock_target)):
         instance = create_drafter(drafter, target, directory)

@@ -61,5 +61,5 @@ def test_with_eos_is_a_new_target_sharing_the_model_and_its_execution_path():
     path = target.execution
     plain = target.with_eos(())
     assert plain.eos_token_ids == () and target.eos_token_ids == (2,)  # the original keeps its own
-    assert plain.model is target.model and plain.execution is path and plain.kernels == target.kernels
+    assert plain.model is target.model and plain.execution is path and plain.path == target.path
     assert plain.with_eos([5, 7]).eos_token_ids == (5, 7)

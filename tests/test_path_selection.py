@@ -38,7 +38,7 @@ def test_auto_takes_the_best_path_this_cpu_and_model_have(cpu):
     assert select_path("auto", BIG, cpu, auto_compiles=False) == PathChoice(
         "fast", f"no compiled step: ${COMPILE_ENV}=0"
     )
-    assert select_path("auto", SMALL, cpu) == PathChoice("stock", "a model this small runs faster on the stock kernels")
+    assert select_path("auto", SMALL, cpu) == PathChoice("stock", "a model this small runs faster on the stock path")
     sliding = select_path("auto", replace(BIG, full_attention_only=False), cpu)
     assert sliding.name == "fast" and "sliding-window" in sliding.note
     no_compiler = select_path("auto", BIG, replace(cpu, cxx_compiler=False))
@@ -62,17 +62,15 @@ def test_a_path_asked_for_by_name_runs_or_says_why_not():
     assert select_path("compiled", SMALL, EPYC, auto_compiles=False) == PathChoice(
         "compiled"
     )  # the env var is for auto
-    with pytest.raises(
-        SelfspecError, match="--kernels fast: the CPU fast path packs float32 .*use --kernels stock or auto"
-    ):
+    with pytest.raises(SelfspecError, match="--path fast: the CPU fast path packs float32 .*use --path stock or auto"):
         select_path("fast", replace(BIG, dtype=torch.bfloat16), XEON_AMX)
-    with pytest.raises(SelfspecError, match="--kernels compiled: no fast path for cuda yet"):
+    with pytest.raises(SelfspecError, match="--path compiled: no fast path for cuda yet"):
         select_path("compiled", replace(BIG, device_type="cuda"), EPYC)
-    with pytest.raises(SelfspecError, match="--kernels compiled: no C\\+\\+ compiler .*use --kernels fast or auto"):
+    with pytest.raises(SelfspecError, match="--path compiled: no C\\+\\+ compiler .*use --path fast or auto"):
         select_path("compiled", BIG, replace(EPYC, cxx_compiler=False))
-    with pytest.raises(SelfspecError, match="--kernels compiled: the compiled step covers full-attention caches only"):
+    with pytest.raises(SelfspecError, match="--path compiled: the compiled step covers full-attention caches only"):
         select_path("compiled", replace(BIG, full_attention_only=False), EPYC)
-    with pytest.raises(SelfspecError, match="kernels must be one of auto, stock, fast, compiled, got 'turbo'"):
+    with pytest.raises(SelfspecError, match="execution path must be one of auto, stock, fast, compiled, got .turbo."):
         select_path("turbo", BIG, EPYC)
 
 

@@ -30,7 +30,7 @@ def plain(target, budget: int, seed: int) -> tuple[int, ...]:
 @pytest.mark.parametrize("kernels", ["stock", "fast"])
 @pytest.mark.parametrize("family", CORE_FAMILIES)
 def test_an_oracle_of_the_seeded_text_emits_it_in_long_steps(family, kernels):
-    target = without_eos(make_tiny_target(family, kernels=kernels))
+    target = without_eos(make_tiny_target(family, path=kernels))
     for seed in (0, 3):
         expected = plain(target, 24, seed)
         drafter = OracleDrafter(target, PROMPT + list(expected), depth=4, decoys=True)

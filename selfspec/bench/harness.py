@@ -88,7 +88,7 @@ def run_bench(target: Target, request: BenchRequest, settings: BenchSettings) ->
         "threads": torch.get_num_threads(),
         # The execution path selfspec's methods ran on (HF generate: stock); "fast then compiled" where the compiled
         # graphs were built in the background during the run and took over between prompts (each record says).
-        "kernels": " then ".join(dict.fromkeys(r.kernels for r in records if r.kernels)) or target.execution.name,
+        "path": " then ".join(dict.fromkeys(r.path for r in records if r.path)) or target.execution.name,
         "cost_curve": {**curve.to_dict(), "source": curve.source},
         **asdict(settings),
     }

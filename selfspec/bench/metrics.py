@@ -33,7 +33,7 @@ class RunRecord:
     accepted_by_source: tuple[tuple[str, int], ...] = ()  # a composite drafter's accepted draft tokens per source
     draft_s: float | None = None  # selfspec drafters: the drafter's share of the steps (GenerationStats); None for HF
     verify_s: float | None = None  # selfspec drafters: the tree forwards and their verification
-    kernels: str = ""  # selfspec drafters: the execution path the run was on ("" for HF, which runs stock)
+    path: str = ""  # selfspec drafters: the execution path the run was on ("" for HF, which runs stock)
 
 
 def tau(records: Iterable[RunRecord]) -> float:

@@ -46,7 +46,7 @@ class MethodOutput:
     accepted_by_source: tuple[tuple[str, int], ...] = ()  # composite drafters (auto): accepted draft tokens per source
     draft_s: float | None = None  # selfspec drafters: GenerationStats' split of the time
     verify_s: float | None = None
-    kernels: str = ""  # selfspec drafters: the execution path the run was on
+    path: str = ""  # selfspec drafters: the execution path the run was on
 
 
 Method = Callable[[torch.Tensor, int, int], MethodOutput]  # (input_ids [1, L], max_new_tokens, seed) -> output
@@ -130,7 +130,7 @@ def _selfspec_method(target: Target, drafter_spec: str, settings: BenchSettings,
             by_source,
             stats.draft_s,
             stats.verify_s,
-            stats.kernels,
+            stats.path,
         )
 
     return run
@@ -243,7 +243,7 @@ def run_benchmark(
                     accepted_by_source=output.accepted_by_source,
                     draft_s=output.draft_s,
                     verify_s=output.verify_s,
-                    kernels=output.kernels,
+                    path=output.path,
                 )
             )
             bar.update()

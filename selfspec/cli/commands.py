@@ -25,7 +25,7 @@ def _load_spec(args, needs_text: str | None = None):
         heads=args.heads,
         device=args.device,
         dtype=_dtype(args.dtype),
-        kernels=args.kernels,
+        path=args.path,
     )
     if needs_text and spec.target.tokenizer is None:
         raise SelfspecError(f"'{args.model}' has no tokenizer: {needs_text} needs one to read and show text")
@@ -60,8 +60,7 @@ def _generate(args) -> None:
     contributions = spec.drafter.stats().contributions()
     sources = f" accepted by source: {contributions}" if contributions else ""
     print(
-        f"[selfspec] drafter={spec.drafter.describe()} kernels={result.stats.kernels} "
-        f"{result.stats.summary()}{sources}",
+        f"[selfspec] drafter={spec.drafter.describe()} path={result.stats.path} {result.stats.summary()}{sources}",
         file=sys.stderr,
     )
 
@@ -101,7 +100,7 @@ def _profile_paths(target, args) -> dict:
     from ..errors import SelfspecError
     from ..execution import ExecutionPath, fast_path_available
 
-    has_fast = fast_path_available(target.device, target.dtype)[0] and args.kernels != "stock"
+    has_fast = fast_path_available(target.device, target.dtype)[0] and args.path != "stock"
     if args.recalibrate and not has_fast:
         raise SelfspecError(
             "--recalibrate: this device and dtype have no fast path (stock kernels only), so no row split to measure"
@@ -128,9 +127,9 @@ def _profile(args) -> None:
     from ..errors import SelfspecError
     from ..models import load_target
 
-    if args.recalibrate and args.kernels == "stock":
-        raise SelfspecError("--recalibrate measures the fast path's row split, which --kernels stock never uses")
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    if args.recalibrate and args.path == "stock":
+        raise SelfspecError("--recalibrate measures the fast path's row split, which --path stock never uses")
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     paths = _profile_paths(target, args)
     samples = forward_time_samples(target, paths, cache_length=args.cache_length, repeats=args.repeats)
     times = {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
@@ -199,7 +198,7 @@ def _compile(args) -> None:
         lowest_priority()  # the CPU goes to decoding first
     if args.threads:
         torch.set_num_threads(args.threads)  # the requesting process's count: part of the packages' key
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels="compiled")
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path="compiled")
     step, began = target.execution.compiled, time.perf_counter()
     split = target.execution.row_split().stock_rows  # decides the graphs this machine uses
     kinds = step.missing()
@@ -214,7 +213,7 @@ def _compile(args) -> None:
     try:
         built = build_locked(step, wait=not args.background, show_progress=not args.background)
     except Exception as error:  # noqa: BLE001  (export and the C++ build fail in many ways)
-        raise SelfspecError(f"compiling the step failed ({first_line(error)[:200]}); --kernels fast runs") from None
+        raise SelfspecError(f"compiling the step failed ({first_line(error)[:200]}); --path fast runs") from None
     if built is None:  # a request started this, and another build already runs
         print("selfspec compile: another process is building these graphs; leaving it to that one")
         return
@@ -249,7 +248,7 @@ def _bench(args) -> None:
         command="selfspec " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "selfspec bench",
     )
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, pace=args.pace)
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     print(run_bench(target, request, settings))
 
 
@@ -312,7 +311,7 @@ def _tune(args) -> None:
         from ..errors import SelfspecError
 
         raise SelfspecError(f"calibration data '{args.data}' does not exist: pass 'sharegpt' or a JSONL file")
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     out = user_skip_path(target) if args.out is None else Path(args.out)
     out = out if out.suffix == ".json" else out / SKIP_FILE
     storage = Path(args.storage) if args.storage else out.with_name(out.stem + ".study.log")
@@ -336,7 +335,7 @@ def _medusa_tree(args) -> None:
     from ..models import load_target
     from ..training.medusa_recipe import rebuild_tree
 
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)
     print(f"tree of up to {result['nodes']} nodes from {result['sequences']} sequences written to {args.heads}")
 
@@ -351,7 +350,7 @@ def _export(args) -> None:
     from ..models import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID, load_target
 
     exportable_kind(Path(args.heads))  # bad input fails before the model loads
-    target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")  # weights are copied, not run
+    target = load_target(args.model, device="cpu", dtype=torch.float32, path="stock")  # weights are copied, not run
     verifier = args.verifier or (
         DEFAULT_MODEL_HUB_ID if args.model == DEFAULT_MODEL else str(Path(args.model).resolve())
     )
@@ -368,7 +367,7 @@ def _import(args) -> None:
     from ..models import load_target
 
     importable_kind(Path(args.source))  # bad input fails before the model loads
-    target = load_target(args.model, device="cpu", dtype=torch.float32, kernels="stock")
+    target = load_target(args.model, device="cpu", dtype=torch.float32, path="stock")
     drafter, out = import_heads(target, Path(args.source), Path(args.out))
     print(f"{drafter} heads written to {out}: use --drafter {drafter} --heads {out}")
 

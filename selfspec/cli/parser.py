@@ -12,7 +12,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_model_args(parser: argparse.ArgumentParser, kernels: bool = True) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, path: bool = True) -> None:
     parser.add_argument(
         "--model", default="default", help="checkpoint directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)"
     )
@@ -23,10 +23,10 @@ def _add_model_args(parser: argparse.ArgumentParser, kernels: bool = True) -> No
         choices=["float32", "bfloat16", "float16"],
         help="default: float32 on CPU, bfloat16 on CUDA",
     )
-    if not kernels:
+    if not path:
         return
     parser.add_argument(
-        "--kernels",
+        "--path",
         default="auto",
         choices=["auto", "stock", "fast", "compiled"],
         help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); compiled = "
@@ -126,7 +126,7 @@ def _add_measuring_commands(commands: argparse._SubParsersAction) -> None:
         help="build this machine's compiled decoding graphs ahead, with a progress bar (requests otherwise start it "
         "in the background on first use); $SELFSPEC_COMPILE: docs/execution.md",
     )
-    _add_model_args(build, kernels=False)
+    _add_model_args(build, path=False)
     build.add_argument(
         "--threads",
         type=_positive_int,

@@ -64,7 +64,7 @@ def sampling_check(samples: int, lookup_every: int = 4) -> dict:
         num_key_value_heads=2, initializer_range=0.15, max_position_embeddings=64, eos_token_id=None,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval().to(device())
-    target = Target(model=model, tokenizer=None, name="tiny-llama", kernels="auto").with_eos(())
+    target = Target(model=model, tokenizer=None, name="tiny-llama", path="auto").with_eos(())
     sampling, prompt = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2, 3, 1, 2]
     with torch.inference_mode():
         ids = torch.tensor([prompt], device=device())

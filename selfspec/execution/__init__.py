@@ -32,7 +32,7 @@ from .path import ExecutionPath
 from .selection import (
     AUTO_MIN_WEIGHTS,
     COMPILE_ENV,
-    KERNEL_CHOICES,
+    PATH_CHOICES,
     ModelTraits,
     PathChoice,
     compile_support,
@@ -47,7 +47,7 @@ __all__ = [
     "CALIBRATION_ROWS",
     "COMPILE_ENV",
     "GROUPED_SDPA",
-    "KERNEL_CHOICES",
+    "PATH_CHOICES",
     "STOCK_ROWS_ENV",
     "CompiledStep",
     "CpuCapabilities",

@@ -36,26 +36,26 @@ from .twin import sharing_copy
 
 
 class ExecutionPath:
-    """How the target's forward runs. `kernels`: 'stock', 'fast', 'compiled' (fast, with the decoding steps compiled
+    """How the target's forward runs. `path`: 'stock', 'fast', 'compiled' (fast, with the decoding steps compiled
     ahead of time), or 'auto' (the best of these that exists here: selection.py). Building one is cheap: packing,
     calibrating and compiling wait for `prepare()`."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        kernels: str = "auto",
+        path: str = "auto",
         model_name: str = "model",
         capabilities: CpuCapabilities | None = None,
         source: str | None = None,
     ):
         """capabilities: this machine's unless given (tests pass in other machines'). source: the model as
         `load_target` takes it, for a background build of the compiled graphs (None: no background build)."""
-        self.compile_mode = compile_mode() if kernels == "auto" else "wait"  # a path named is a path waited for
+        self.compile_mode = compile_mode() if path == "auto" else "wait"  # a path named is a path waited for
         choice = select_path(
-            kernels, model_traits(model), capabilities or detect_capabilities(), self.compile_mode != "off"
+            path, model_traits(model), capabilities or detect_capabilities(), self.compile_mode != "off"
         )
         self.model, self.source = model, source
-        self.requested = kernels
+        self.requested = path
         self.name, self.note = choice.name, choice.note
         self.dispatch = RowDispatch()  # calibrated when the twin is built, before any step runs
         self.compiled = CompiledStep(model, model_name, dispatch=self.dispatch) if self.name == "compiled" else None
@@ -191,9 +191,7 @@ class ExecutionPath:
         except Exception as error:  # noqa: BLE001  (export and C++ compilation fail in many ways)
             reason = first_line(error)[:200]
             if self.requested == "compiled":
-                raise SelfspecError(
-                    f"--kernels compiled: compiling the step failed ({reason}); use --kernels fast"
-                ) from None
+                raise SelfspecError(f"--path compiled: compiling the step failed ({reason}); use --path fast") from None
             print(f"[selfspec] no compiled step ({reason}): the fast path runs", file=sys.stderr, flush=True)
             self.name, self.note, self.compiled = "fast", f"no compiled step: {reason}", None
 

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from ..errors import SelfspecError
 from .capabilities import CpuCapabilities, detect_capabilities
 
-KERNEL_CHOICES = ("auto", "stock", "fast", "compiled")
+PATH_CHOICES = ("auto", "stock", "fast", "compiled")
 # `auto` packs only models whose linear layers hold at least this many weights (tiny test models run faster stock).
 AUTO_MIN_WEIGHTS = 1 << 20
 COMPILE_ENV = "SELFSPEC_COMPILE"  # how `auto` gets its compiled graphs: COMPILE_MODES
@@ -88,25 +88,25 @@ def compile_support(cpu: CpuCapabilities, model: ModelTraits | None = None) -> t
     return True, ""
 
 
-def select_path(kernels: str, model: ModelTraits, cpu: CpuCapabilities, auto_compiles: bool = True) -> PathChoice:
-    """The path `kernels` (a KERNEL_CHOICES entry) gives this model on this CPU; `auto_compiles`: False where
+def select_path(path: str, model: ModelTraits, cpu: CpuCapabilities, auto_compiles: bool = True) -> PathChoice:
+    """The path `path` (a PATH_CHOICES entry) gives this model on this CPU; `auto_compiles`: False where
     $SELFSPEC_COMPILE=0. A named path that cannot run here is a SelfspecError saying why and what to use instead."""
-    if kernels not in KERNEL_CHOICES:
-        raise SelfspecError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got '{kernels}'")
+    if path not in PATH_CHOICES:
+        raise SelfspecError(f"the execution path must be one of {', '.join(PATH_CHOICES)}, got '{path}'")
     available, reason = fast_path_available(model.device_type, model.dtype, cpu)
-    if kernels in ("fast", "compiled") and not available:
-        raise SelfspecError(f"--kernels {kernels}: {reason}; use --kernels stock or auto")
-    if kernels == "stock":
+    if path in ("fast", "compiled") and not available:
+        raise SelfspecError(f"--path {path}: {reason}; use --path stock or auto")
+    if path == "stock":
         return PathChoice("stock")
-    if kernels == "auto" and available and model.linear_weights < AUTO_MIN_WEIGHTS:
-        available, reason = False, "a model this small runs faster on the stock kernels"
+    if path == "auto" and available and model.linear_weights < AUTO_MIN_WEIGHTS:
+        available, reason = False, "a model this small runs faster on the stock path"
     if not available:  # only `auto` gets here
         return PathChoice("stock", reason)
     compiles, why_not = compile_support(cpu, model)
-    if kernels == "compiled" and not compiles:
-        raise SelfspecError(f"--kernels compiled: {why_not}; use --kernels fast or auto")
-    if kernels != "auto":
-        return PathChoice(kernels)
+    if path == "compiled" and not compiles:
+        raise SelfspecError(f"--path compiled: {why_not}; use --path fast or auto")
+    if path != "auto":
+        return PathChoice(path)
     if compiles and not auto_compiles:
         compiles, why_not = False, f"${COMPILE_ENV}=0"
     return PathChoice("compiled") if compiles else PathChoice("fast", f"no compiled step: {why_not}")

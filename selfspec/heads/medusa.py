@@ -228,7 +228,5 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
                 for weight in module.get_base_layer().parameters(recurse=False):
                     weight.data = weight.data.clone()
     model = adapted.merge_and_unload()
-    adapted_target = Target(
-        model=model, tokenizer=target.tokenizer, name=target.name, adapters=[key], kernels=target.kernels
-    )
+    adapted_target = Target(model=model, tokenizer=target.tokenizer, name=target.name, adapters=[key], path=target.path)
     return adapted_target.with_eos(target.eos_token_ids)
