@@ -2,9 +2,9 @@
 
 This one decodes one request at a time, on one worker thread, through `SelfSpec.generate` (so a reply is what
 `selfspec generate` gives for the same prompt and settings, and the compiled path's switch happens between requests as
-it always does). Continuous batching (several requests' trees verified in one forward, DESIGN.md section 9) replaces
-this class behind the same seam: `submit` a checked request with a sink for its events, `Job.cancel` it, `close`.
-The app never touches the model.
+it always does). Continuous batching (several requests' trees verified in one forward, a block-diagonal tree mask)
+replaces this class behind the same seam: `submit` a checked request with a sink for its events, `Job.cancel` it,
+`close`, `health`. The app never touches the model.
 """
 
 from __future__ import annotations
