@@ -278,6 +278,13 @@ def test_the_openai_client_sees_errors_as_its_own_exceptions(server):
         server.client.chat.completions.create(model=server.model, messages=messages, n=3)
     with pytest.raises(openai.BadRequestError, match="context"):
         server.client.chat.completions.create(model=server.model, messages=messages, max_tokens=10**6, stream=True)
+    tokenizer = server.spec.target.tokenizer
+    template, tokenizer.chat_template = tokenizer.chat_template, "{{ raise_exception('roles must alternate') }}"
+    try:
+        with pytest.raises(openai.BadRequestError, match="chat template refused these messages: roles must alternate"):
+            server.client.chat.completions.create(model=server.model, messages=messages)
+    finally:
+        tokenizer.chat_template = template
     assert request(server.url, "GET", "/nowhere")[0] == 404
     code, reply = request(server.url, "GET", "/v1/chat/completions")
     assert code == 405 and reply["error"]["code"] == "method_not_allowed"

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..api import check_request
-from ..errors import SelfspecError
+from ..errors import SelfspecError, first_line
 from ..models import Target
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -91,8 +91,8 @@ def parse_chat(body: dict, served: ServedModel) -> DecodeRequest:
     messages = _messages(body.get("messages"))
     try:
         input_ids = served.target.render_chat(messages, add_generation_prompt=True)
-    except SelfspecError as error:
-        raise ApiError(str(error), "messages") from None
+    except Exception as error:  # noqa: BLE001  (a chat template refuses messages with an exception of its own)
+        raise ApiError(f"the model's chat template refused these messages: {first_line(error)}", "messages") from None
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _request("chat", body, served, input_ids, (limit_name, "messages"))
 
