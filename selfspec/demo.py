@@ -181,11 +181,16 @@ def bind(host: str, port: int) -> ThreadingHTTPServer:
     try:
         server = ThreadingHTTPServer((host, port), handler)
     except OSError as error:
-        if error.errno in (98, 48) or isinstance(error, PermissionError):  # EADDRINUSE (Linux, macOS), or no rights
-            raise SelfspecError(f"cannot listen on {host}:{port} ({error.strerror}): pass another --port") from None
-        raise SelfspecError(f"cannot listen on {host}:{port}: {error}") from None
+        raise listen_error(host, port, error) from None
     server.daemon_threads = True
     return server
+
+
+def listen_error(host: str, port: int, error: OSError) -> SelfspecError:
+    """The one line for a socket that cannot listen on host:port (the demo's and the server's)."""
+    if error.errno in (98, 48) or isinstance(error, PermissionError):  # EADDRINUSE (Linux, macOS), or no rights
+        return SelfspecError(f"cannot listen on {host}:{port} ({error.strerror}): pass another --port")
+    return SelfspecError(f"cannot listen on {host}:{port}: {error}")
 
 
 def serve(server: ThreadingHTTPServer, state: DemoState) -> None:

@@ -1,4 +1,5 @@
-"""`selfspec generate | chat | demo | bench | profile | train | tune | medusa-tree | export | import | drafters`.
+"""`selfspec generate | chat | demo | serve | bench | profile | train | tune | medusa-tree | export | import |
+drafters`.
 
 Bad input gives one line on stderr (`selfspec: error: ...`) and exit code 2, never a traceback.
 Modules: parser.py (the arguments), commands.py (what each command does).

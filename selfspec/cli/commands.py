@@ -94,6 +94,32 @@ def _demo(args) -> None:
     serve(server, state)
 
 
+def _serve(args) -> None:
+    from ..api import check_request
+    from ..errors import SelfspecError
+    from ..serve import Scheduler, ServedModel, listen, run
+
+    check_request(args.drafter, args.max_new_tokens)  # cheap checks first, then the port, then the model
+    if not 0 <= args.port < 65536:
+        raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")
+    sock = listen(args.host, args.port)
+    try:
+        spec = _load_spec(args, needs_text="the server")
+        spec.between_requests()  # settle the execution path (a background compile starts now, if one is due)
+        drafter = spec.drafter.describe()  # built now, not on the first request
+    except BaseException:
+        sock.close()
+        raise
+    served = ServedModel(spec.target.name, spec.target, args.drafter, args.max_new_tokens)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"selfspec serve: http://{host}:{port}/v1  (model '{served.model_id}', drafter {drafter}, kernels "
+        f"{spec.target.execution.name}; one request at a time; Ctrl-C stops it)",
+        flush=True,
+    )
+    run(sock, Scheduler(spec), served)
+
+
 def _profile_paths(target, args) -> dict:
     """The paths `profile` measures, settled first (profiling starts no background build: a compiled path whose
     graphs are not stored runs `fast`)."""
@@ -394,6 +420,7 @@ COMMANDS = {
     "generate": _generate,
     "chat": _chat,
     "demo": _demo,
+    "serve": _serve,
     "profile": _profile,
     "bench": _bench,
     "compile": _compile,

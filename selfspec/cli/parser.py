@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_decoding_commands(commands: argparse._SubParsersAction) -> None:
-    """generate, chat and demo: text from a model"""
+    """generate, chat, demo and serve: text from a model"""
     generate = commands.add_parser("generate", help="generate text, streaming it, then one line of statistics")
     _add_model_args(generate)
     _add_drafter_args(
@@ -102,6 +102,20 @@ def _add_decoding_commands(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     demo.add_argument("--port", type=int, default=7860)
     demo.add_argument("--max-new-tokens", type=int, default=128, help="the page's default answer length")
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions): docs/serve.md"
+    )
+    _add_model_args(serve)
+    _add_drafter_args(serve, "drafter spec, as for generate (default: auto)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (the address is printed)")
+    serve.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="a request's token limit when it gives no max_tokens (within what the context leaves), as for generate",
+    )
 
 
 def _add_measuring_commands(commands: argparse._SubParsersAction) -> None:
