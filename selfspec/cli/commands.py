@@ -113,7 +113,7 @@ def _serve(args) -> None:
     served = ServedModel(spec.target.name, spec.target, args.drafter, args.max_new_tokens)
     host, port = sock.getsockname()[:2]
     print(
-        f"selfspec serve: http://{host}:{port}/v1  (model '{served.model_id}', drafter {drafter}, kernels "
+        f"selfspec serve: http://{host}:{port}/v1  (model '{served.model_id}', drafter {drafter}, path "
         f"{spec.target.execution.name}; one request at a time; Ctrl-C stops it)",
         flush=True,
     )
