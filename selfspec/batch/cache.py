@@ -1,0 +1,110 @@
+"""A KV cache whose batch rows hold different requests at different lengths (the batch engine's).
+
+Row r holds its request's committed prefix in positions [0, lengths[r]) of every layer's storage. A step writes each
+row's new nodes after that row's own prefix (`update`), so rows never wait for one another to line up; the attention
+mask the engine builds tells each row's queries which positions are theirs. After verification `keep` moves a row's
+accepted nodes next to its prefix, as the single-request cache does (tree_attention.compact_cache). Rows are kept
+contiguous from 0: a request that leaves gives its row to the last one (`drop_row`), so a step runs over the first
+`rows` rows of the storage, a view, never a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+MIN_CAPACITY = 256  # positions reserved per row at first; storage doubles past what is needed
+
+
+class RaggedLayer(DynamicLayer):
+    """One layer's keys and values for every row: storage [rows, kv_heads, capacity, head_dim]. `keys`/`values` (what
+    attention reads after `update`) span the longest row plus the step's new positions; a row's positions past its own
+    length plus the step's are stale and must be hidden by the mask."""
+
+    def __init__(self, lengths: list[int]):
+        super().__init__()
+        self.lengths = lengths  # shared by every layer of the cache: the committed positions of each row
+        self.store: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _reserve(self, rows: int, needed: int, like: torch.Tensor) -> None:
+        if self.store is not None and self.store[0].shape[0] >= rows and self.store[0].shape[2] >= needed:
+            return
+        kv_heads, head_dim = like.shape[1], like.shape[3]
+        old = self.store
+        capacity = max(MIN_CAPACITY, 2 * needed, 0 if old is None else old[0].shape[2])
+        rows_reserved = max(rows, 0 if old is None else old[0].shape[0])
+        self.store = tuple(like.new_zeros(rows_reserved, kv_heads, capacity, head_dim) for _ in range(2))
+        if old is not None:
+            for new, previous in zip(self.store, old, strict=True):
+                new[: previous.shape[0], :, : previous.shape[2]] = previous
+        self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, n = key_states.shape[0], key_states.shape[2]
+        if rows != len(self.lengths):
+            raise RuntimeError(f"a step of {rows} rows on a ragged cache of {len(self.lengths)}")
+        longest = max(self.lengths) + n
+        self._reserve(rows, longest, key_states)
+        keys, values = self.store
+        for row, start in enumerate(self.lengths):
+            keys[row, :, start : start + n] = key_states[row]
+            values[row, :, start : start + n] = value_states[row]
+        self.keys, self.values = keys[:rows, :, :longest], values[:rows, :, :longest]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def keep(self, row: int, base: int, offsets: torch.Tensor) -> None:
+        """Row `row` keeps positions [0, base) and then base + offsets (ascending), packed from `base` on."""
+        for store in self.store:
+            store[row, :, base : base + offsets.numel()] = store[row, :, base:].index_select(-2, offsets)
+
+    def load(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Row `row` takes a prefix computed elsewhere: keys and values [1, kv_heads, length, head_dim]."""
+        self._reserve(row + 1, keys.shape[2], keys)
+        self.store[0][row, :, : keys.shape[2]] = keys[0]
+        self.store[1][row, :, : values.shape[2]] = values[0]
+
+    def move(self, source: int, destination: int, length: int) -> None:
+        for store in self.store or ():
+            store[destination, :, :length] = store[source, :, :length]
+
+
+class RaggedCache(Cache):
+    """The layers of one model, every one a RaggedLayer over the same row lengths."""
+
+    def __init__(self, num_layers: int):
+        self.lengths: list[int] = []
+        super().__init__(layers=[RaggedLayer(self.lengths) for _ in range(num_layers)])
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def add_row(self, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None, length: int) -> int:
+        """A new last row holding `length` positions: each layer's keys and values [1, kv_heads, length, head_dim]
+        (None for an empty prefix) -> its index."""
+        row = len(self.lengths)
+        self.lengths.append(length)
+        if length:
+            for layer, layer_keys, layer_values in zip(self.layers, keys, values, strict=True):
+                layer.load(row, layer_keys[:, :, :length], layer_values[:, :, :length])
+        return row
+
+    def keep(self, row: int, offsets: torch.Tensor) -> None:
+        """After a step: row `row` keeps its prefix and the step's nodes at `offsets` (its accepted path)."""
+        base = self.lengths[row]
+        for layer in self.layers:
+            layer.keep(row, base, offsets)
+        self.lengths[row] = base + offsets.numel()
+
+    def drop_row(self, row: int) -> int | None:
+        """Remove row `row`; the last row moves into its place. Returns the index that moved there (None: none did)."""
+        last = len(self.lengths) - 1
+        if row != last:
+            for layer in self.layers:
+                layer.move(last, row, self.lengths[last])
+            self.lengths[row] = self.lengths[last]
+        self.lengths.pop()
+        return last if row != last else None

@@ -1,0 +1,270 @@
+"""Several requests decoded together: each step verifies every active request's draft tree in one target forward.
+
+The loop of decoding.py, per request, with the target forward shared: each request has a slot (its own drafter, kept
+across the requests the slot serves, as `SelfSpec` keeps its one), a row of the ragged KV cache (cache.py), its own
+sampling settings, seed and stop tokens. A step
+1. admits waiting requests into free slots (their prompts prefilled one by one, then loaded into cache rows),
+2. asks every active request's drafter for a tree within that request's budget,
+3. runs one forward over all trees: input [rows, widest tree], each row's nodes at its own positions, and a mask by
+   which a row's nodes see that row's prefix and their own ancestors only (a row's padding nodes see themselves),
+4. verifies each row with its own logits, exactly as a request alone is verified (the same StepDraws by seed and
+   output position), keeps each row's accepted path in its cache row, and lets each drafter observe its result,
+5. hands finished requests back (EOS, max_new_tokens, the context, or cancelled) and frees their rows.
+
+Requests join and leave at step boundaries. What one request gets does not depend on the others: its tokens equal
+what `speculative_generate` gives it alone (greedy: token for token; seeded sampling: the same text), up to the
+float32 rounding of products over more rows, as between a one-token step and a tree step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..decoding import GenerationStats, validate_request
+from ..errors import SelfspecError
+from ..heads.base import Drafter, DraftRequest, Observation
+from ..heads.paced import paced
+from ..models import Target
+from ..sampling import SamplingConfig, StepDraws
+from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
+from .cache import RaggedCache
+
+
+@dataclass
+class BatchRequest:
+    """One request for the engine. `on_tokens` hears each step's committed tokens (the stream); `stop_ids`: the tokens
+    that end it (default: the target's end-of-sequence tokens)."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    on_tokens: Callable[[tuple[int, ...]], None] | None = None
+    stop_ids: frozenset[int] | None = None
+    cancelled: bool = False  # set it (from the thread that runs the engine's owner) to end the request at the next step
+
+
+@dataclass
+class Finished:
+    request: BatchRequest
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+
+@dataclass
+class _Running:
+    request: BatchRequest
+    slot: int
+    committed: list[int]
+    generator: torch.Generator
+    started: float
+    prefill_s: float
+    new_tokens: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    stop_reason: str = "max_new_tokens"
+    paused_before: int = 0
+
+    def budget(self, context_limit: int) -> int:
+        return min(self.request.max_new_tokens - len(self.new_tokens), context_limit - len(self.committed))
+
+
+class BatchEngine:
+    """Up to `slots` requests in flight on one target. `make_drafter()` builds one slot's drafter (called once per
+    slot, when first needed); each is paced as `SelfSpec`'s is and kept for the requests its slot serves."""
+
+    def __init__(self, target: Target, make_drafter: Callable[[], Drafter], slots: int = 4):
+        if slots < 1:
+            raise SelfspecError(f"slots must be at least 1, got {slots}")
+        if target.sliding_window is not None:
+            raise SelfspecError("batched decoding covers full-attention models only (this one has sliding windows)")
+        self.target, self.make_drafter, self.slots = target, make_drafter, slots
+        self.drafters: list[Drafter | None] = [None] * slots
+        self.waiting: deque[BatchRequest] = deque()
+        self.running: list[_Running] = []  # row i of the cache is running[i]
+        self.cache = RaggedCache(target.num_layers)
+        self.rows_per_step: list[int] = []  # how many requests each step verified together (for reports)
+
+    def submit(self, request: BatchRequest) -> None:
+        """Queue a request (checked now: a bad one raises SelfspecError and is not queued)."""
+        validate_request(self.target, torch.tensor(request.input_ids), request.max_new_tokens, request.seed)
+        self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Finished]:
+        """Admit what fits, run one shared verification step, return the requests that finished in it."""
+        with torch.inference_mode(), self.target.execution.active():
+            finished = self._drop_cancelled()
+            self._admit()
+            if not self.running:
+                return finished
+            trees = [self._propose(running) for running in self.running]
+            logits, hidden = self._forward(trees)
+            for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
+                self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
+            self.rows_per_step.append(len(trees))
+            return finished + self._drop_done()
+
+    def run(self) -> list[Finished]:
+        """Step until every submitted request has finished; their results in the order they finished."""
+        done: list[Finished] = []
+        while self.busy:
+            done += self.step()
+        return done
+
+    # -- steps ----------------------------------------------------------------------------------------------------
+
+    def _drafter(self, slot: int) -> Drafter:
+        if self.drafters[slot] is None:
+            drafter = self.make_drafter()
+            if drafter.target.model is not self.target.model:
+                raise SelfspecError(f"drafter '{drafter.name}' drafts for another model than the engine's target")
+            self.drafters[slot] = paced(drafter)
+        return self.drafters[slot]
+
+    def _admit(self) -> None:
+        busy = {running.slot for running in self.running}
+        while self.waiting and len(self.running) < self.slots:
+            request = self.waiting.popleft()
+            slot = next(index for index in range(self.slots) if index not in busy)
+            busy.add(slot)
+            drafter = self._drafter(slot)
+            started = time.perf_counter()
+            committed = list(request.input_ids)
+            prefix = torch.tensor([committed[:-1]], device=self.target.device)
+            keys = values = None
+            hidden: dict[int, torch.Tensor] = {}
+            if len(committed) > 1:
+                cache = self.target.new_cache()
+                prefill = chunk_forward(self.target.forward, cache, prefix, drafter.hidden_layers)
+                keys = [layer.keys for layer in cache.layers]
+                values = [layer.values for layer in cache.layers]
+                hidden = prefill.hidden
+            self.cache.add_row(keys, values, len(committed) - 1)
+            drafter.reset()
+            drafter.observe(Observation(tuple(committed), hidden))
+            generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
+            running = _Running(request, slot, committed, generator, started, time.perf_counter() - started)
+            running.paused_before = drafter.stats().paused_steps
+            self.running.append(running)
+
+    def _propose(self, running: _Running) -> DraftTree:
+        drafter = self.drafters[running.slot]
+        budget = running.budget(self.target.context_limit)
+        request = DraftRequest(running.committed[-1], budget - 1, running.request.sampling, running.generator)
+        tree = drafter.propose(request).pruned(budget - 1)
+        if tree.token_list[0] != running.committed[-1]:
+            raise SelfspecError(f"drafter '{drafter.name}' rooted its tree elsewhere than the last committed token")
+        return tree
+
+    def _forward(self, trees: list[DraftTree]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One target forward over every row's tree -> logits [rows, widest, V] and the drafters' hidden layers."""
+        device, dtype = self.target.device, self.target.dtype
+        rows, widest = len(trees), max(tree.size for tree in trees)
+        lengths = self.cache.lengths
+        width = max(lengths) + widest
+        lowest = torch.finfo(dtype).min
+        input_ids = torch.zeros(rows, widest, dtype=torch.long)
+        positions = torch.zeros(rows, widest, dtype=torch.long)
+        mask = torch.full((rows, 1, widest, width), lowest, dtype=dtype)
+        for row, (tree, cached) in enumerate(zip(trees, lengths, strict=True)):
+            n = tree.size
+            input_ids[row, :n] = tree.tokens
+            input_ids[row, n:] = tree.token_list[0]  # padding nodes: never read, they see themselves only
+            positions[row, :n] = cached + torch.tensor(tree.depth_list)
+            positions[row, n:] = cached
+            mask[row, 0, :n, :cached] = 0
+            mask[row, 0, :n, cached : cached + n].masked_fill_(ancestor_matrix(tree), 0)
+            padding = torch.arange(n, widest)
+            mask[row, 0, padding, cached + padding] = 0
+        layers = sorted({layer for running in self.running for layer in self.drafters[running.slot].hidden_layers})
+        output = self.target.forward(
+            input_ids.to(device),
+            position_ids=positions.to(device),
+            attention_mask=mask.to(device),
+            past_key_values=self.cache,
+            output_hidden_states=bool(layers),
+        )
+        hidden = {layer: output.hidden_states[layer] for layer in layers}
+        return output.logits, hidden
+
+    def _commit(
+        self, row: int, running: _Running, tree: DraftTree, logits: torch.Tensor, hidden: dict[int, torch.Tensor]
+    ) -> None:
+        request, drafter = running.request, self.drafters[running.slot]
+        draws = StepDraws(request.seed, len(running.new_tokens), running.generator)
+        result = verify(tree, logits, request.sampling, draws)
+        stop_ids = self.target.eos_token_ids if request.stop_ids is None else request.stop_ids
+        emitted = result.emitted
+        stop_at = next((i for i, token in enumerate(emitted) if token in stop_ids), None)
+        if stop_at is not None:
+            emitted, running.stop_reason = emitted[: stop_at + 1], "eos"
+        path = torch.tensor(result.accepted_path, device=logits.device)
+        self.cache.keep(row, path)
+        running.committed.extend(emitted)
+        running.new_tokens.extend(emitted)
+        running.accepted_lengths.append(len(emitted))
+        running.tree_sizes.append(tree.size)
+        if request.on_tokens is not None:
+            request.on_tokens(emitted)
+        if stop_at is not None or len(running.new_tokens) >= request.max_new_tokens:
+            return
+        if len(running.committed) >= self.target.context_limit:
+            running.stop_reason = "context"
+            return
+        rows = {layer: states.index_select(0, path) for layer, states in hidden.items()}
+        drafter.observe(Observation(emitted, rows, tree, result.accepted_path))
+
+    def _done(self, running: _Running) -> bool:
+        request = running.request
+        return (
+            request.cancelled
+            or running.stop_reason != "max_new_tokens"
+            or len(running.new_tokens) >= request.max_new_tokens
+        )
+
+    def _drop_done(self) -> list[Finished]:
+        finished = []
+        for row in reversed(range(len(self.running))):
+            running = self.running[row]
+            if self._done(running):
+                finished.append(self._finish(row, running))
+        return finished[::-1]
+
+    def _drop_cancelled(self) -> list[Finished]:
+        cancelled = [request for request in self.waiting if request.cancelled]
+        self.waiting = deque(request for request in self.waiting if not request.cancelled)
+        results = [Finished(request, (), _empty_stats(self.target)) for request in cancelled]
+        return results + self._drop_done()
+
+    def _finish(self, row: int, running: _Running) -> Finished:
+        last = self.running.pop()  # the cache's last row moves into `row`, and so does its request
+        if self.cache.drop_row(row) is not None:
+            self.running[row] = last
+        if running.request.cancelled:
+            running.stop_reason = "cancelled"
+        drafter = self.drafters[running.slot]
+        stats = GenerationStats(
+            new_tokens=len(running.new_tokens),
+            target_forwards=len(running.accepted_lengths),
+            accepted_lengths=tuple(running.accepted_lengths),
+            tree_sizes=tuple(running.tree_sizes),
+            prefill_s=running.prefill_s,
+            wall_s=time.perf_counter() - running.started,
+            stop_reason=running.stop_reason,
+            paused_steps=drafter.stats().paused_steps - running.paused_before,
+            path=self.target.execution.name,
+        )
+        return Finished(running.request, tuple(running.new_tokens), stats)
+
+
+def _empty_stats(target: Target) -> GenerationStats:
+    return GenerationStats(0, 0, (), (), 0.0, 0.0, "cancelled", path=target.execution.name)

@@ -1,0 +1,143 @@
+"""Batched speculation (selfspec.batch): requests that share verification forwards each get what they get alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
+from selfspec.decoding import speculative_generate
+from selfspec.errors import SelfspecError
+from selfspec.heads import create_drafter
+from selfspec.sampling import SamplingConfig
+
+from .helpers import PROMPT, make_tiny_target, random_eagle_dir, random_medusa_dir, without_eos
+
+# Prompts of different lengths (one of a single token: an empty prefix) and different lengths to generate, so rows
+# are ragged, finish at different steps and the waiting one joins mid-way.
+REQUESTS = [
+    (PROMPT, 24),
+    ([1, 9, 9, 4, 9, 9, 4, 9, 9], 16),
+    ([7], 20),
+    (PROMPT[3:] + PROMPT, 30),
+    ([2, 3, 4, 5, 6, 2, 3, 4], 12),
+]
+
+
+def drafter_factory(name: str, target, tmp_path):
+    heads = {
+        "eagle": lambda: random_eagle_dir(target, tmp_path / "eagle"),
+        "medusa": lambda: random_medusa_dir(target, tmp_path / "medusa"),
+    }.get(name, lambda: None)()
+    return lambda: create_drafter(name, target, heads)
+
+
+def alone(target, make, prompt, max_new_tokens, sampling=SamplingConfig(), seed=0):
+    tokens, _ = speculative_generate(target, make(), torch.tensor(prompt), max_new_tokens, sampling, seed)
+    return tokens
+
+
+@pytest.mark.parametrize("path", ["stock", "fast"])
+@pytest.mark.parametrize("name", ["none", "ngram", "eagle", "medusa"])
+def test_greedy_requests_in_a_batch_equal_each_alone(name, path, tmp_path):
+    target = without_eos(make_tiny_target("llama", path=path))
+    make = drafter_factory(name, target, tmp_path)
+    engine = BatchEngine(target, make, slots=3)
+    forwards = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        forwards.append((args[0] if args else kwargs["input_ids"]).shape)
+        return forward(*args, **kwargs)
+
+    target.forward = spy
+    requests = [BatchRequest(list(prompt), count) for prompt, count in REQUESTS]
+    for request in requests:
+        engine.submit(request)
+    done = {id(result.request): result for result in engine.run()}
+    del target.forward
+    for request, (prompt, count) in zip(requests, REQUESTS, strict=True):
+        result = done[id(request)]
+        assert list(result.token_ids) == list(alone(target, make, prompt, count)), (name, path, prompt)
+        assert result.stats.new_tokens == count and result.stats.stop_reason == "max_new_tokens"
+    assert max(engine.rows_per_step) == 3 and min(engine.rows_per_step) < 3  # shared steps; ragged at the end
+    steps = [shape for shape in forwards if shape[0] > 1]  # prefills are one row each
+    assert len(steps) >= 1 and max(shape[0] for shape in forwards) == 3
+    assert engine.cache.rows == 0 and not engine.busy
+
+
+@pytest.mark.parametrize("name", ["none", "ngram"])
+def test_seeded_sampled_requests_in_a_batch_equal_each_alone(name, tmp_path):
+    target = without_eos(make_tiny_target("qwen3"))
+    make = drafter_factory(name, target, tmp_path)
+    engine = BatchEngine(target, make, slots=4)
+    settings = [
+        (SamplingConfig(temperature=1.0), 11),
+        (SamplingConfig(temperature=0.7, top_k=8), 12),
+        (SamplingConfig(temperature=1.2, top_p=0.9), 13),
+        (SamplingConfig(), 0),  # greedy beside sampled rows
+    ]
+    requests = [
+        BatchRequest(list(prompt), count, sampling, seed)
+        for (prompt, count), (sampling, seed) in zip(REQUESTS, settings, strict=False)
+    ]
+    for request in requests:
+        engine.submit(request)
+    done = {id(result.request): result for result in engine.run()}
+    for request in requests:
+        expected = alone(target, make, request.input_ids, request.max_new_tokens, request.sampling, request.seed)
+        assert done[id(request)].token_ids == expected, (name, request.sampling)
+
+
+def test_stop_tokens_cancellation_and_a_slot_freed_for_the_next(tmp_path):
+    target = without_eos(make_tiny_target("llama", path="fast"))
+    make = drafter_factory("ngram", target, tmp_path)
+    reference = alone(target, make, PROMPT, 24)
+    stop = reference[5]
+    engine = BatchEngine(target, make, slots=2)
+    seen = []
+    cancelled = BatchRequest(list(REQUESTS[1][0]), 40)
+    cancelled.on_tokens = lambda tokens: seen.append(tokens) or setattr(cancelled, "cancelled", len(seen) >= 2)
+    stopped = BatchRequest(list(PROMPT), 24, stop_ids=frozenset({stop}))
+    waiting = BatchRequest(list(REQUESTS[2][0]), 10)
+    for request in (cancelled, stopped, waiting):
+        engine.submit(request)
+    results = {id(result.request): result for result in engine.run()}
+    assert results[id(cancelled)].stats.stop_reason == "cancelled" and len(seen) == 2
+    stopped_tokens = results[id(stopped)].token_ids
+    assert stopped_tokens == reference[: reference.index(stop) + 1] and results[id(stopped)].stats.stop_reason == "eos"
+    assert list(results[id(waiting)].token_ids) == list(alone(target, make, REQUESTS[2][0], 10))
+
+
+def test_the_ragged_cache_keeps_rows_apart():
+    cache = RaggedCache(num_layers=1)
+    shape = (1, 2, 3, 4)
+    first = torch.arange(24.0).view(shape)
+    cache.add_row([first], [first + 100], 3)
+    cache.add_row(None, None, 0)
+    layer = cache.layers[0]
+    new = torch.stack([torch.full((2, 2, 4), -1.0), torch.full((2, 2, 4), -2.0)])  # [rows, heads, 2 new, dim]
+    keys, _ = layer.update(new, new)
+    assert keys.shape == (2, 2, 5, 4)
+    assert torch.equal(keys[0, :, :3], first[0]) and torch.equal(keys[0, :, 3:], new[0])  # after row 0's prefix
+    assert torch.equal(keys[1, :, :2], new[1])  # row 1 from its own start
+    cache.keep(0, torch.tensor([1]))  # row 0 keeps its second new position only
+    cache.keep(1, torch.tensor([0, 1]))
+    assert cache.lengths == [4, 2]
+    assert cache.drop_row(0) == 1 and cache.lengths == [2]  # the last row moves into the freed one
+    assert torch.equal(layer.store[0][0, :, :2], new[1])
+
+
+def test_bad_engines_and_requests_are_refused(tmp_path):
+    target = without_eos(make_tiny_target("mistral", sliding_window=8))
+    with pytest.raises(SelfspecError, match="full-attention models only"):
+        BatchEngine(target, lambda: create_drafter("none", target), slots=2)
+    target = make_tiny_target("llama")
+    engine = BatchEngine(target, lambda: create_drafter("none", target), slots=2)
+    with pytest.raises(SelfspecError, match="max_new_tokens"):
+        engine.submit(BatchRequest([1, 2], 0))
+    with pytest.raises(SelfspecError, match="empty"):
+        engine.submit(BatchRequest([], 4))
+    assert not engine.busy
+    with pytest.raises(SelfspecError, match="slots"):
+        BatchEngine(target, lambda: create_drafter("none", target), slots=0)
