@@ -114,6 +114,11 @@ class SelfSpec:
             self._curve_path = self.target.execution.name  # settled by the curve's reading (cost.target_cost_curve)
         return self._drafter
 
+    def new_drafter(self) -> Drafter:
+        """Another drafter like `drafter` (the same spec, heads and options) with state of its own: one per slot of a
+        batch (selfspec.batch), where requests in flight together each need theirs."""
+        return create_drafter(self._drafter_spec, self.target, self._heads, **self._drafter_options)
+
     def between_requests(self) -> None:
         """Before a request (generate calls it once the request is checked; chat calls it before the first prompt, so a
         background build begins while the user types): the path may take its compiled graphs now, never during a

@@ -33,23 +33,23 @@ SECRET = "/home/someone/private/model.py line 12"
 
 
 class Throttled:
-    """A SelfSpec whose steps take `delay` seconds more (the tiny model decodes a reply in milliseconds: a client
-    cannot go away in the middle of one otherwise)."""
+    """A SelfSpec whose target forwards take `delay` seconds more (the tiny model decodes a reply in milliseconds: a
+    client cannot go away in the middle of one otherwise), and fail while `fail` is set."""
 
     def __init__(self, spec: SelfSpec):
         self.spec, self.delay, self.fail = spec, 0.0, False
+        forward = spec.target.forward
+
+        def slow_forward(*args, **kwargs):
+            time.sleep(self.delay)
+            if self.fail:  # a bug deep inside decoding
+                raise RuntimeError(f"{SECRET}: tensor shapes do not match")
+            return forward(*args, **kwargs)
+
+        spec.target.forward = slow_forward
 
     def __getattr__(self, name: str):
         return getattr(self.spec, name)
-
-    def generate(self, on_step, **kwargs):
-        def slow_step(token_ids) -> None:
-            time.sleep(self.delay)
-            on_step(token_ids)
-            if self.fail:  # a bug deep inside decoding
-                raise RuntimeError(f"{SECRET}: tensor shapes do not match")
-
-        return self.spec.generate(on_step=slow_step, **kwargs)
 
 
 class Running:
@@ -349,6 +349,7 @@ def test_concurrent_clients_are_each_answered_as_if_alone(server):
         settings = {} if seed is None else {"temperature": 0.8, "seed": seed}
         assert text == server.reference.generate(prompt, max_new_tokens=MAX_TOKENS, **settings).text
     assert health(server.url)["queued"] == 0
+    assert max(server.scheduler.engine.rows_per_step) > 1  # requests shared verification forwards
 
 
 def test_cli_bad_input_is_one_line_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):

@@ -19,7 +19,7 @@ float32 rounding of products over more rows, as between a one-token step and a t
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,7 +53,10 @@ class BatchRequest:
 class Finished:
     request: BatchRequest
     token_ids: tuple[int, ...]
-    stats: GenerationStats
+    stats: GenerationStats  # stop_reason "cancelled" for a request cancelled before its end
+    admitted: float = 0.0  # time.perf_counter() when its prefill began (0.0: cancelled while it waited)
+    drafter: str = ""  # the slot's drafter, described
+    accepted_by_source: dict | None = None  # auto's sources: the tokens of each this request accepted
 
 
 @dataclass
@@ -68,7 +71,7 @@ class _Running:
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     stop_reason: str = "max_new_tokens"
-    paused_before: int = 0
+    drafter_before: object = None  # the slot drafter's DrafterStats when the request was admitted
 
     def budget(self, context_limit: int) -> int:
         return min(self.request.max_new_tokens - len(self.new_tokens), context_limit - len(self.committed))
@@ -88,7 +91,7 @@ class BatchEngine:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[_Running] = []  # row i of the cache is running[i]
         self.cache = RaggedCache(target.num_layers)
-        self.rows_per_step: list[int] = []  # how many requests each step verified together (for reports)
+        self.rows_per_step: Counter[int] = Counter()  # requests verified together -> steps that did (bounded: slots)
 
     def submit(self, request: BatchRequest) -> None:
         """Queue a request (checked now: a bad one raises SelfspecError and is not queued)."""
@@ -110,7 +113,7 @@ class BatchEngine:
             logits, hidden = self._forward(trees)
             for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
                 self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
-            self.rows_per_step.append(len(trees))
+            self.rows_per_step[len(trees)] += 1
             return finished + self._drop_done()
 
     def run(self) -> list[Finished]:
@@ -122,7 +125,8 @@ class BatchEngine:
 
     # -- steps ----------------------------------------------------------------------------------------------------
 
-    def _drafter(self, slot: int) -> Drafter:
+    def slot_drafter(self, slot: int) -> Drafter:
+        """Slot `slot`'s drafter, paced, built now if it was not yet."""
         if self.drafters[slot] is None:
             drafter = self.make_drafter()
             if drafter.target.model is not self.target.model:
@@ -136,7 +140,7 @@ class BatchEngine:
             request = self.waiting.popleft()
             slot = next(index for index in range(self.slots) if index not in busy)
             busy.add(slot)
-            drafter = self._drafter(slot)
+            drafter = self.slot_drafter(slot)
             started = time.perf_counter()
             committed = list(request.input_ids)
             prefix = torch.tensor([committed[:-1]], device=self.target.device)
@@ -153,7 +157,7 @@ class BatchEngine:
             drafter.observe(Observation(tuple(committed), hidden))
             generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
             running = _Running(request, slot, committed, generator, started, time.perf_counter() - started)
-            running.paused_before = drafter.stats().paused_steps
+            running.drafter_before = drafter.stats()
             self.running.append(running)
 
     def _propose(self, running: _Running) -> DraftTree:
@@ -260,10 +264,13 @@ class BatchEngine:
             prefill_s=running.prefill_s,
             wall_s=time.perf_counter() - running.started,
             stop_reason=running.stop_reason,
-            paused_steps=drafter.stats().paused_steps - running.paused_before,
+            paused_steps=drafter.stats().paused_steps - running.drafter_before.paused_steps,
             path=self.target.execution.name,
         )
-        return Finished(running.request, tuple(running.new_tokens), stats)
+        by_source = drafter.stats().accepted_since(running.drafter_before)
+        return Finished(
+            running.request, tuple(running.new_tokens), stats, running.started, drafter.describe(), by_source
+        )
 
 
 def _empty_stats(target: Target) -> GenerationStats:

@@ -102,11 +102,14 @@ def _serve(args) -> None:
     check_request(args.drafter, args.max_new_tokens)  # cheap checks first, then the port, then the model
     if not 0 <= args.port < 65536:
         raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")
+    if not 1 <= args.slots <= 64:
+        raise SelfspecError(f"--slots must be between 1 and 64, got {args.slots}")
     sock = listen(args.host, args.port)
     try:
         spec = _load_spec(args, needs_text="the server")
-        spec.between_requests()  # settle the execution path (a background compile starts now, if one is due)
-        drafter = spec.drafter.describe()  # built now, not on the first request
+        spec.target.execution.prepare()  # settle the path (the batch engine runs the eager steps: no background build)
+        scheduler = Scheduler(spec, args.slots)
+        drafter = scheduler.engine.slot_drafter(0).describe()  # built now, not on the first request
     except BaseException:
         sock.close()
         raise
@@ -114,10 +117,10 @@ def _serve(args) -> None:
     host, port = sock.getsockname()[:2]
     print(
         f"selfspec serve: http://{host}:{port}/v1  (model '{served.model_id}', drafter {drafter}, path "
-        f"{spec.target.execution.name}; one request at a time; Ctrl-C stops it)",
+        f"{spec.target.execution.name}; up to {args.slots} requests verified together; Ctrl-C stops it)",
         flush=True,
     )
-    run(sock, Scheduler(spec), served)
+    run(sock, scheduler, served)
 
 
 def _profile_paths(target, args) -> dict:

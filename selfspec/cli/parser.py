@@ -111,6 +111,12 @@ def _add_decoding_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (the address is printed)")
     serve.add_argument(
+        "--slots",
+        type=int,
+        default=4,
+        help="requests decoded together, their draft trees verified in one forward (default 4; 1: one at a time)",
+    )
+    serve.add_argument(
         "--max-new-tokens",
         type=int,
         default=256,

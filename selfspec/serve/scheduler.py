@@ -1,10 +1,10 @@
-"""The scheduler: the one object that owns the model and the queue of requests, and steps them.
+"""The scheduler: the one object that owns the model and the requests in flight, and steps them.
 
-This one decodes one request at a time, on one worker thread, through `SelfSpec.generate` (so a reply is what
-`selfspec generate` gives for the same prompt and settings, and the compiled path's switch happens between requests as
-it always does). Continuous batching (several requests' trees verified in one forward, a block-diagonal tree mask)
-replaces this class behind the same seam: `submit` a checked request with a sink for its events, `Job.cancel` it,
-`close`, `health`. The app never touches the model.
+Up to `slots` requests decode together on one worker thread through the batch engine (selfspec.batch): every step
+verifies each running request's draft tree in one target forward, requests join at the next step boundary and leave
+at the one where they end, and a reply is what that request gets alone (`selfspec generate` for the same prompt and
+settings). `submit` a checked request with a sink for its events, `Job.cancel` it, `close`, `health`: the app never
+touches the model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..batch import BatchEngine, BatchRequest, Finished
 from ..errors import SelfspecError, first_line
+from ..sampling import SamplingConfig
 from .protocol import ApiError, DecodeRequest
 from .text import ReplyText
 
@@ -64,30 +66,28 @@ class Job:
         self.cancelled.set()
 
 
-class Cancelled(Exception):
-    """Raised from the step callback to end a job whose client went away."""
-
-
-class StopStringReached(Exception):
-    """Raised from the step callback when the reply reached a stop string: no need to decode further."""
-
-
 @dataclass
-class StepCounts:
-    forwards: int = 0  # target forwards (one per step; the prefill not counted)
-    tokens: int = 0  # committed tokens
-    path: str = ""  # the execution path the steps ran on
+class _Flight:
+    """A job the engine holds: its reply text so far and what ended it early."""
+
+    job: Job
+    reply: ReplyText
+    request: BatchRequest
+    stopped: bool = False  # a stop string was reached (the engine was asked to end it)
 
 
 class Scheduler:
-    """Owns `spec` (a SelfSpec: one model in memory) and the queue; a worker thread decodes the jobs in order."""
+    """Owns `spec` (a SelfSpec: one model in memory) and its batch engine of `slots` requests; a worker thread admits
+    the jobs as slots free up and steps them together."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, slots: int = 4):
         self.spec = spec
+        self.engine = BatchEngine(spec.target, spec.new_drafter, slots)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.running: Job | None = None
+        self.flights: dict[int, _Flight] = {}  # id(BatchRequest) -> its job
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.worker = threading.Thread(target=self._work, name="selfspec-decode", daemon=True)
+        self._closing = False
 
     def start(self) -> None:
         self.worker.start()
@@ -98,81 +98,102 @@ class Scheduler:
         return job
 
     def close(self) -> None:
-        """Cancel the running job and stop the worker once it returns (queued jobs are dropped)."""
-        if self.running is not None:
-            self.running.cancel()
+        """Cancel the jobs in flight and stop the worker after its current step (queued jobs are dropped)."""
+        self._closing = True
         self.jobs.put(None)
 
     def health(self) -> dict:
-        return {"queued": self.jobs.qsize(), "running": self.running is not None, **self.counts}
+        return {
+            "queued": self.jobs.qsize() + len(self.engine.waiting),
+            "running": len(self.engine.running),
+            "slots": self.engine.slots,
+            **self.counts,
+        }
 
     def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while not self._closing:
+            if not self._take_jobs():
+                break
+            for flight in self.flights.values():
+                if flight.job.cancelled.is_set():
+                    flight.request.cancelled = True
+            try:
+                finished = self.engine.step()
+            except Exception as error:  # noqa: BLE001  (the server stays up; the trace goes to its log, not the client)
+                self._fail_all(error)
+                continue
+            for result in finished:
+                self._deliver(result)
+
+    def _take_jobs(self) -> bool:
+        """Move queued jobs to the engine: waiting for one while nothing is in flight. False once closed."""
+        while True:
+            try:
+                job = self.jobs.get(block=not self.engine.busy)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
             if job.cancelled.is_set():
                 self.counts["cancelled"] += 1
                 continue
-            self.running = job
-            try:
-                job.sink(self._decode(job))
-                self.counts["completed"] += 1
-            except Cancelled:
-                self.counts["cancelled"] += 1
-            except SelfspecError as error:  # a request the checks let through and the loop refused
-                self.counts["failed"] += 1
-                job.sink(Failed(ApiError(str(error))))
-            except Exception as error:  # noqa: BLE001  (the server stays up; the trace goes to its log, not the client)
-                self.counts["failed"] += 1
-                print(f"selfspec serve: a request failed: {first_line(error)}", file=sys.stderr, flush=True)
-                traceback.print_exc(file=sys.stderr)
-                job.sink(Failed(ApiError("the server failed to decode this request", status=500, kind="server_error")))
-            finally:
-                self.running = None
+            self._admit(job)
 
-    def _decode(self, job: Job) -> Outcome:
-        """Decode one job through SelfSpec.generate; each step's text goes to the job's sink as it is committed."""
+    def _admit(self, job: Job) -> None:
         request, target = job.request, self.spec.target
-        reply, counts = ReplyText(target, request.stop), StepCounts()
+        sampling = SamplingConfig(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p)
+        batch_request = BatchRequest(list(request.input_ids), request.max_new_tokens, sampling, request.seed)
+        flight = _Flight(job, ReplyText(target, request.stop), batch_request)
 
-        def on_step(token_ids: tuple[int, ...]) -> None:
-            counts.forwards, counts.tokens = counts.forwards + 1, counts.tokens + len(token_ids)
-            counts.path = counts.path or target.execution.name  # fixed for the whole request (inside its block)
-            piece = reply.add(token_ids)
+        def on_tokens(token_ids: tuple[int, ...]) -> None:
+            piece = flight.reply.add(token_ids)
             if piece:
                 job.sink(Delta(piece))
-            if job.cancelled.is_set():
-                raise Cancelled
-            if reply.stopped:
-                raise StopStringReached
+            if flight.reply.stopped:  # no need to decode further: the engine ends it after this step
+                flight.stopped = batch_request.cancelled = True
 
-        drafter = self.spec.drafter
-        before, start = drafter.stats(), time.perf_counter()
+        batch_request.on_tokens = on_tokens
         try:
-            result = self.spec.generate(
-                input_ids=list(request.input_ids),
-                max_new_tokens=request.max_new_tokens,
-                temperature=request.temperature,
-                top_k=request.top_k,
-                top_p=request.top_p,
-                seed=request.seed,
-                on_step=on_step,
-            )
-            finish_reason = "stop" if result.stats.stop_reason == "eos" else "length"
-        except StopStringReached:
-            finish_reason = "stop"
-        decode_s = time.perf_counter() - start
-        piece = reply.finish()
+            self.engine.submit(batch_request)
+        except SelfspecError as error:  # a request the checks let through and the engine refused
+            self.counts["failed"] += 1
+            job.sink(Failed(ApiError(str(error))))
+            return
+        self.flights[id(batch_request)] = flight
+
+    def _deliver(self, result: Finished) -> None:
+        flight = self.flights.pop(id(result.request))
+        job, stats = flight.job, result.stats
+        if job.cancelled.is_set():
+            self.counts["cancelled"] += 1
+            return
+        piece = flight.reply.finish()
         if piece:
             job.sink(Delta(piece))
-        accepted = counts.tokens - counts.forwards  # drafted tokens the target accepted
+        finish_reason = "stop" if flight.stopped or stats.stop_reason == "eos" else "length"
+        decode_s = stats.wall_s
         speculation = {
-            "drafter": drafter.describe(),
-            "execution_path": counts.path,
-            "tau": round(counts.tokens / max(1, counts.forwards), 4),
-            "target_forwards": counts.forwards,
-            "accepted_draft_tokens": accepted,
-            "accepted_by_source": drafter.stats().accepted_since(before),
+            "drafter": result.drafter,
+            "execution_path": stats.path,
+            "tau": round(stats.mean_accepted_length, 4),
+            "target_forwards": stats.target_forwards,
+            "accepted_draft_tokens": stats.new_tokens - stats.target_forwards,
+            "accepted_by_source": result.accepted_by_source,
             "decode_s": round(decode_s, 4),
-            "tokens_per_s": round(counts.tokens / decode_s, 2) if decode_s > 0 else 0.0,
-            "queued_s": round(start - job.submitted, 4),
+            "tokens_per_s": round(stats.new_tokens / decode_s, 2) if decode_s > 0 else 0.0,
+            "queued_s": round(max(0.0, result.admitted - job.submitted), 4),
         }
-        return Outcome(reply.text, finish_reason, len(request.input_ids), counts.tokens, speculation)
+        self.counts["completed"] += 1
+        job.sink(Outcome(flight.reply.text, finish_reason, len(job.request.input_ids), stats.new_tokens, speculation))
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step failed: every job in flight gets a 500 (the trace goes to the server's log) and the engine starts
+        afresh, its drafters rebuilt."""
+        print(f"selfspec serve: a decoding step failed: {first_line(error)}", file=sys.stderr, flush=True)
+        traceback.print_exception(error, file=sys.stderr)
+        failure = ApiError("the server failed to decode this request", status=500, kind="server_error")
+        for flight in self.flights.values():
+            self.counts["failed"] += 1
+            flight.job.sink(Failed(failure))
+        self.flights.clear()
+        self.engine = BatchEngine(self.spec.target, self.spec.new_drafter, self.engine.slots)
