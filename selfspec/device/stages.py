@@ -145,8 +145,8 @@ def regenerate(args) -> dict:
 
     from selfspec import load_target
     from selfspec.options import to_dict
-    from selfspec.training.data import load_conversations
-    from selfspec.training.data import regenerate as regenerate_replies
+    from selfspec.training.data.conversations import load_conversations
+    from selfspec.training.data.regenerate import regenerate as regenerate_replies
 
     config = recipe(args)
     data = config.data
@@ -198,7 +198,7 @@ def evaluate(args) -> dict:
     """chain@1/2/3 of each new head on the target's greedy continuations of the three prompt sets."""
     from selfspec import create_drafter, load_target
     from selfspec.device.program import bfloat16_copy
-    from selfspec.training import draft_accuracy
+    from selfspec.training.studies import draft_accuracy
 
     target = load_target("default", device=device())
     per_set, new_tokens = (1, 12) if args.tiny else (8, 96)
