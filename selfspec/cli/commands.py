@@ -231,10 +231,10 @@ def _bench(args) -> None:
     from pathlib import Path
 
     from ..bench.harness import BenchRequest, parse_drafters, parse_list, run_bench, valid_peers
-    from ..bench.prompts import DATASETS
     from ..bench.runner import BenchSettings
     from ..models import load_target
     from ..sampling import SamplingConfig
+    from ..training.data.prompt_sets import DATASETS
 
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     request = BenchRequest(

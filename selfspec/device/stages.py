@@ -95,7 +95,7 @@ def sampling_check(samples: int, lookup_every: int = 4) -> dict:
 def real_model_checks(args) -> dict:
     """Every drafter's greedy output against HF `generate` on the default model, float32 and bfloat16."""
     from selfspec import create_drafter, load_target, speculative_generate
-    from selfspec.bench.prompts import load_prompt_set
+    from selfspec.training.data.prompt_sets import load_prompt_set
 
     prompts, new_tokens = (1, 8) if args.tiny else (2, 64)
     report = {}
