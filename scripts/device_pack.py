@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from selfspec.models import default_gguf_file
-        from selfspec.training.sharegpt import sharegpt_file
+        from selfspec.training.data.sharegpt import sharegpt_file
 
         model = args.model or default_gguf_file()
         sharegpt = args.sharegpt or sharegpt_file()

@@ -31,10 +31,10 @@ from selfspec.heads.artifacts import find_shipped_head, save_head
 from selfspec.heads.dflash import DFlashConfig, resolve_feature_layers
 from selfspec.models import load_target
 from selfspec.training.config import load_recipe
-from selfspec.training.dflash import DFlashTraining, new_dflash_head
-from selfspec.training.draft_accuracy import dflash_chain_accuracy, greedy_continuations
-from selfspec.training.stages import recipe_data
-from selfspec.training.trainer import train
+from selfspec.training.data.prepare import recipe_data
+from selfspec.training.recipes.dflash import DFlashTraining, new_dflash_head
+from selfspec.training.studies.draft_accuracy import dflash_chain_accuracy, greedy_continuations
+from selfspec.training.trainer.loop import train
 
 
 def mean_tau(target, heads_dir: Path, rows, new_tokens: int) -> float:

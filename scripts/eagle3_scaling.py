@@ -1,4 +1,4 @@
-"""EAGLE-3's scaling table from the long CPU run (selfspec/training/scaling.py).
+"""EAGLE-3's scaling table from the long CPU run (selfspec/training/studies/scaling.py).
 
     python scripts/eagle3_scaling.py [--config configs/eagle3-smollm2-long.yaml] [--out docs/results/eagle3-scaling]
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from selfspec.errors import SelfspecError
 from selfspec.models import load_target
 from selfspec.training.config import load_recipe
-from selfspec.training.scaling import scaling_points, write_table
+from selfspec.training.studies.scaling import scaling_points, write_table
 from selfspec.training.throughput import machine
 
 BARS = {"mtbench": 0.50, "humaneval": 0.52, "sharegpt": 0.60}  # issue 30's first-draft accuracy bars

@@ -18,7 +18,7 @@ from pathlib import Path
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import heads_kind
 from selfspec.models import load_target
-from selfspec.training.draft_accuracy import eagle_chain_accuracy, greedy_continuations
+from selfspec.training.studies.draft_accuracy import eagle_chain_accuracy, greedy_continuations
 
 
 def main(argv: list[str] | None = None) -> None:

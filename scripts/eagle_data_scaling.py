@@ -25,10 +25,10 @@ from selfspec.heads.artifacts import save_head
 from selfspec.heads.eagle import EagleFamilyHead, EagleHead
 from selfspec.models import load_target
 from selfspec.training.config import load_recipe
-from selfspec.training.draft_accuracy import eagle_chain_accuracy, greedy_continuations
-from selfspec.training.eagle import EagleTraining, new_eagle_head
-from selfspec.training.stages import recipe_data
-from selfspec.training.trainer import train
+from selfspec.training.data.prepare import recipe_data
+from selfspec.training.recipes.eagle import EagleTraining, new_eagle_head
+from selfspec.training.studies.draft_accuracy import eagle_chain_accuracy, greedy_continuations
+from selfspec.training.trainer.loop import train
 
 
 def main(argv: list[str] | None = None) -> None:

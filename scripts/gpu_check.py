@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from selfspec import SamplingConfig, create_drafter, load_target, speculative_generate
-from selfspec.bench.prompts import load_prompt_set
 from selfspec.cost import measure_cost_curve
+from selfspec.training.data.prompt_sets import load_prompt_set
 
 
 def timed(fn, *args):

@@ -25,7 +25,8 @@ from selfspec.files import atomic_write_text
 from selfspec.models import load_target
 from selfspec.training.clock import running_time
 from selfspec.training.config import REGENERATE_ENGINES
-from selfspec.training.data import engine_replies, load_conversations, regeneration_prompts
+from selfspec.training.data.conversations import load_conversations
+from selfspec.training.data.regenerate import engine_replies, regeneration_prompts
 from selfspec.training.throughput import machine
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import psutil
 
 from selfspec import SelfSpec
-from selfspec.bench.prompts import load_prompt_set
 from selfspec.execution import describe_cpu
 from selfspec.files import atomic_write_text
 from selfspec.models import load_target
+from selfspec.training.data.prompt_sets import load_prompt_set
 
 DRAFTERS = ("none", "auto", "ngram", "eagle", "medusa", "dflash", "history")
 SAMPLED = dict(temperature=0.8, top_p=0.95)

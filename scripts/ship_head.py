@@ -81,7 +81,7 @@ def write_heads(source: Path, destination: Path, dtype: str, shipped: dict | Non
 
 
 def chain_accuracy(target, kind: str, directory: Path, evaluation) -> dict[str, list[float]]:
-    from selfspec.training import draft_accuracy
+    from selfspec.training.studies import draft_accuracy
 
     head = create_drafter(kind, target, directory).head.float()
     if kind == "dflash":  # block depths 1, 2 and 4 where the block drafts that far
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         create_drafter(kind, target, source)  # the fingerprint and the weights match the model
         shipped = {"from": str(source.resolve()), "stored_dtype": args.dtype}
         if args.dtype == "bfloat16":
-            from selfspec.training.draft_accuracy import greedy_continuations
+            from selfspec.training.studies.draft_accuracy import greedy_continuations
 
             work = Path(args.work)
             candidate = work / "candidate"

@@ -21,7 +21,7 @@ from selfspec.exchange import export_heads
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import heads_kind
 from selfspec.models import load_target
-from selfspec.training.eagle import EagleTraining
+from selfspec.training.recipes.eagle import EagleTraining
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: its side venv and tests/speculators_forward.py
 SIDE_PYTHON = ROOT / ".speculators-venv" / "bin" / "python"

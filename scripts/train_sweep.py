@@ -1,4 +1,4 @@
-"""A short measured sweep of an EAGLE-family recipe's learning rate and warm-up (selfspec/training/sweep.py).
+"""A short measured sweep of an EAGLE-family recipe's learning rate and warm-up (selfspec/training/studies/sweep.py).
 
     python scripts/train_sweep.py --config configs/eagle3-smollm2-long.yaml \
         --arms 3e-4:5,1e-3:5,3e-3:5,1e-2:5,1e-3:15 --steps 32 --out docs/results/eagle3-sweep
@@ -23,7 +23,7 @@ from selfspec.errors import SelfspecError
 from selfspec.files import atomic_write_text
 from selfspec.models import load_target
 from selfspec.training.config import load_recipe
-from selfspec.training.sweep import parse_arms, sweep
+from selfspec.training.studies.sweep import parse_arms, sweep
 from selfspec.training.throughput import machine
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import selfspec.training.sharegpt as sharegpt_module
+import selfspec.training.data.sharegpt as sharegpt_module
 from selfspec.files import cache_root
 from selfspec.models import Target
 

@@ -43,10 +43,10 @@ from selfspec.training.config import (
     RecipeConfig,
     TrainConfig,
 )
-from selfspec.training.data import tokenize_conversation
-from selfspec.training.labels import label_sequence
-from selfspec.training.medusa import MedusaTraining, best_tree
-from selfspec.training.sharegpt import Conversation
+from selfspec.training.data.labels import label_sequence
+from selfspec.training.data.sharegpt import Conversation
+from selfspec.training.data.tokenizing import tokenize_conversation
+from selfspec.training.recipes.medusa import MedusaTraining, best_tree
 from selfspec.tree_attention import DraftTree
 
 # ---- tiny models ----------------------------------------------------------------------------------------------------
@@ -484,7 +484,7 @@ def tiny_training_setup(tiny_checkpoint, count=12, layers=(-1,)):
 def record_sharegpt_splits(monkeypatch) -> list[str]:
     """The ShareGPT splits the training data code reads from now on, in order (a test's proof that it never reads the
     held-out one)."""
-    import selfspec.training.sharegpt as sharegpt_module
+    import selfspec.training.data.sharegpt as sharegpt_module
 
     splits, real = [], sharegpt_module.load_sharegpt
 
@@ -492,7 +492,7 @@ def record_sharegpt_splits(monkeypatch) -> list[str]:
         splits.append(split)
         return real(split, path)
 
-    monkeypatch.setattr("selfspec.training.data.load_sharegpt", spy)
+    monkeypatch.setattr("selfspec.training.data.conversations.load_sharegpt", spy)
     return splits
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from selfspec import SelfspecError
-from selfspec.bench.prompts import load_prompt_file, load_prompt_set
+from selfspec.training.data.prompt_sets import load_prompt_file, load_prompt_set
 
 
 def test_mtbench_80_questions_8_categories_and_spread_limit():

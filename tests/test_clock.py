@@ -55,8 +55,8 @@ def test_holding_the_gil_is_not_a_stop():
 
 
 def test_the_progress_bar_eta_is_this_invocations_pace_on_the_run_clock():
-    from selfspec.training.checkpoints import RunProgress
-    from selfspec.training.trainer import _postfix
+    from selfspec.training.trainer.checkpoints import RunProgress
+    from selfspec.training.trainer.loop import _postfix
 
     # Resumed at step 10 (after 900 s) and now at step 30: 20 steps in 200 s of running time, 70 steps to go.
     progress = RunProgress(step=30, tokens=110_000, seconds=1_100.0, window_loss=[2.0, 3.0], metrics={"top1": 0.25})
@@ -70,15 +70,15 @@ def test_the_reports_stage_seconds_are_on_the_run_clock(monkeypatch):
     a stage the process was stopped in for an hour reports its running seconds, not the hour."""
     from types import SimpleNamespace
 
-    from selfspec.training import pipeline, stages
+    from selfspec.training.trainer import pipeline
 
     ticks = iter(range(0, 10_000, 7))  # each reading of the run clock is 7 s after the last
-    monkeypatch.setattr(stages, "running_time", lambda: next(ticks))
-    monkeypatch.setattr(stages, "train", lambda *args, **kwargs: "summary")
-    monkeypatch.setattr(stages, "checkpoint_dir", lambda config: None)
+    monkeypatch.setattr(pipeline, "running_time", lambda: next(ticks))
+    monkeypatch.setattr(pipeline, "train", lambda *args, **kwargs: "summary")
+    monkeypatch.setattr(pipeline, "checkpoint_dir", lambda config: None)
     timings: dict = {}
     data = SimpleNamespace(train=SimpleNamespace(count=1, get=None, get_batch=None))
-    assert stages.train_head(None, data, SimpleNamespace(train=None), False, None, timings) == "summary"
+    assert pipeline.train_head(None, data, SimpleNamespace(train=None), False, None, timings) == "summary"
     assert timings == {"train_s": 7}
     monkeypatch.setattr(pipeline, "running_time", lambda: next(ticks))
     monkeypatch.setattr(pipeline, "resolve_recipe", lambda drafter: lambda *args: {})

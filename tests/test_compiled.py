@@ -141,7 +141,7 @@ def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypa
     """The graphs honour only the new rows' block of a mask: one that hides cached positions (a padded row of a
     batch, as the regeneration's engine leaves when its batch is down to one row) goes to the eager forward, whose
     logits are then those of the fast path."""
-    from selfspec.training.greedy_batch import greedy_replies
+    from selfspec.training.data.greedy_batch import greedy_replies
 
     target, _, _ = compiled_target
     calls = []

@@ -11,14 +11,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-import selfspec.training.sharegpt as sharegpt_module
-import selfspec.training.stages as stages
+import selfspec.training.data.sharegpt as sharegpt_module
+import selfspec.training.data.tokenizing as tokenizing
 from selfspec.cli import main
 from selfspec.errors import SelfspecError
 from selfspec.models import load_target
 from selfspec.training.config import DataConfig, load_recipe, tiny_scale
-from selfspec.training.data import Example, load_conversations
-from selfspec.training.stages import data_mix, mix_examples, prepare_examples
+from selfspec.training.data.conversations import load_conversations
+from selfspec.training.data.mix import data_mix, mix_examples
+from selfspec.training.data.prepare import prepare_examples
+from selfspec.training.data.tokenizing import Example
 
 from .helpers import WORDS, record_sharegpt_splits, tiny_recipe
 
@@ -207,8 +209,8 @@ def test_tokenized_examples_are_kept_in_the_work_dir_and_reused_only_for_the_sam
         "regenerated",
     ]
     calls = []
-    real = stages.tokenize_conversation
-    monkeypatch.setattr(stages, "tokenize_conversation", lambda *args: calls.append(args[1].id) or real(*args))
+    real = tokenizing.tokenize_conversation
+    monkeypatch.setattr(tokenizing, "tokenize_conversation", lambda *args: calls.append(args[1].id) or real(*args))
     again = prepare_examples(target, config)  # a resumed run: nothing tokenized again, the same examples
     assert calls == []
     for part, repeated in zip(first, again, strict=True):
@@ -228,9 +230,8 @@ def test_tokenized_examples_are_kept_in_the_work_dir_and_reused_only_for_the_sam
 
 
 def test_tokenizing_stops_at_the_cut_and_a_worker_pool_gives_the_same_examples(tiny_checkpoint, monkeypatch):
-    from selfspec.training.data import tokenize_conversation
-    from selfspec.training.sharegpt import Conversation
-    from selfspec.training.stages import tokenize_all
+    from selfspec.training.data.sharegpt import Conversation
+    from selfspec.training.data.tokenizing import tokenize_all, tokenize_conversation
 
     target = load_target(str(tiny_checkpoint))
     rng = random.Random(3)
@@ -252,7 +253,7 @@ def test_tokenizing_stops_at_the_cut_and_a_worker_pool_gives_the_same_examples(t
                 continue
             assert cut.input_ids.tolist() == whole.input_ids[:max_length].tolist()
             assert cut.loss_mask.tolist() == whole.loss_mask[:max_length].tolist()
-    monkeypatch.setattr(stages, "POOL_MIN_CONVERSATIONS", 10)
+    monkeypatch.setattr(tokenizing, "POOL_MIN_CONVERSATIONS", 10)
     serial = tokenize_all(target, conversations, 20, "original", workers=1)
     pools = []
 
@@ -260,8 +261,8 @@ def test_tokenizing_stops_at_the_cut_and_a_worker_pool_gives_the_same_examples(t
         pools.append(args)
         return real_pool(*args, **kwargs)
 
-    real_pool = stages.ProcessPoolExecutor
-    monkeypatch.setattr(stages, "ProcessPoolExecutor", recorded)
+    real_pool = tokenizing.ProcessPoolExecutor
+    monkeypatch.setattr(tokenizing, "ProcessPoolExecutor", recorded)
     pooled = tokenize_all(target, conversations, 20, "original", workers=3)
     assert pools == [(3,)]  # the pool path ran
     assert [e and (e.id, e.input_ids.tolist(), e.loss_mask.tolist(), e.kind) for e in pooled] == [

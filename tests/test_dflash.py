@@ -12,7 +12,7 @@ import torch
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.dflash import DFlashConfig, DFlashHead, block_tree, training_mask
-from selfspec.training.dflash import DFlashTraining, rarest_token, sample_anchors
+from selfspec.training.recipes.dflash import DFlashTraining, rarest_token, sample_anchors
 
 from .helpers import PROMPT, make_tiny_target, random_dflash_dir, random_dflash_head, tiny_recipe
 
@@ -140,11 +140,11 @@ def test_tiny_dflash_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
 
     from selfspec.models import load_target
     from selfspec.training.config import TrainConfig
-    from selfspec.training.data import tokenize_conversation
-    from selfspec.training.labels import label_sequence
-    from selfspec.training.pipeline import run_recipe
-    from selfspec.training.sharegpt import Conversation
-    from selfspec.training.trainer import collate, train
+    from selfspec.training.data.labels import label_sequence
+    from selfspec.training.data.sharegpt import Conversation
+    from selfspec.training.data.tokenizing import tokenize_conversation
+    from selfspec.training.trainer.loop import collate, train
+    from selfspec.training.trainer.pipeline import run_recipe
 
     from .helpers import WORDS
 

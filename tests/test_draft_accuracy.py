@@ -1,5 +1,5 @@
-"""The studies' draft-accuracy measures (selfspec/training/draft_accuracy.py): the continuations are the target's
-greedy ones and are cached, and chain accuracies are probabilities that never grow with the chain's length."""
+"""The studies' draft-accuracy measures (selfspec/training/studies/draft_accuracy.py): the continuations are the
+target's greedy ones and are cached, and chain accuracies are probabilities that never grow with the chain's length."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from selfspec.heads import create_drafter
 from selfspec.models import load_target
-from selfspec.training import draft_accuracy
-from selfspec.training.draft_accuracy import dflash_chain_accuracy, eagle_chain_accuracy, greedy_continuations
+from selfspec.training.studies import draft_accuracy
+from selfspec.training.studies.draft_accuracy import dflash_chain_accuracy, eagle_chain_accuracy, greedy_continuations
 
 from .helpers import hf_greedy, random_dflash_head, random_eagle_dir
 

@@ -100,7 +100,7 @@ def test_unrolled_training_sees_what_drafting_sees(family, kind):
     prefix: the same pairs, positions and visible keys."""
     from transformers import DynamicCache
 
-    from selfspec.training.eagle import EagleTraining, unrolled_mask
+    from selfspec.training.recipes.eagle import EagleTraining, unrolled_mask
 
     target = make_tiny_target(family)
     if kind == "eagle":
@@ -148,9 +148,9 @@ def test_tiny_eagle_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny_
 
     from selfspec.models import load_target
     from selfspec.training.config import TrainConfig
-    from selfspec.training.eagle import EagleTraining
-    from selfspec.training.pipeline import run_recipe
-    from selfspec.training.trainer import collate, train
+    from selfspec.training.recipes.eagle import EagleTraining
+    from selfspec.training.trainer.loop import collate, train
+    from selfspec.training.trainer.pipeline import run_recipe
 
     target, sequences, _ = tiny_training_setup(tiny_checkpoint)
     module = EagleTraining(
@@ -208,9 +208,9 @@ def test_tiny_eagle3_training_lowers_the_loss_and_the_recipe_runs(tmp_path, tiny
     from selfspec.heads.eagle import Eagle3Config, Eagle3Head
     from selfspec.models import load_target
     from selfspec.training.config import TrainConfig
-    from selfspec.training.eagle import EagleTraining
-    from selfspec.training.pipeline import run_recipe
-    from selfspec.training.trainer import collate, train
+    from selfspec.training.recipes.eagle import EagleTraining
+    from selfspec.training.trainer.loop import collate, train
+    from selfspec.training.trainer.pipeline import run_recipe
 
     target, sequences, _ = tiny_training_setup(tiny_checkpoint, layers=(0, 1, 2))
     config = Eagle3Config(draft_vocab_size=0, unroll_steps=2)

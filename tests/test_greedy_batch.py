@@ -1,10 +1,10 @@
-"""The regeneration's batched engine (selfspec/training/greedy_batch.py): many prompts of different lengths at
+"""The regeneration's batched engine (selfspec/training/data/greedy_batch.py): many prompts of different lengths at
 once, finished rows leaving the batch, each reply the target's own greedy reply to its prompt alone."""
 
 import pytest
 
-from selfspec.training import greedy_batch
-from selfspec.training.greedy_batch import greedy_replies, supports_in_place
+from selfspec.training.data import greedy_batch
+from selfspec.training.data.greedy_batch import greedy_replies, supports_in_place
 
 from .helpers import hf_greedy, make_tiny_target
 

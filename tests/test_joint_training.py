@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import selfspec.training.stages as stages_module
-import selfspec.training.trainer as trainer_module
+import selfspec.training.data.prepare as prepare_module
+import selfspec.training.trainer.loop as trainer_module
 from selfspec.cli import main
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
@@ -29,8 +29,8 @@ from selfspec.training.config import (
     load_recipe,
     tiny_scale,
 )
-from selfspec.training.joint import JointTraining, run_joint
-from selfspec.training.trainer import ParamGroup, train, train_step
+from selfspec.training.recipes.joint import JointTraining, run_joint
+from selfspec.training.trainer.loop import ParamGroup, train, train_step
 
 from .helpers import hf_greedy, tiny_recipe, tiny_training_setup
 
@@ -60,9 +60,9 @@ def test_one_label_pass_feeds_every_head_and_each_saved_head_decodes_exactly(
     tmp_path, tiny_checkpoint, fake_sharegpt, monkeypatch
 ):
     labelled = []  # one entry per labelling of a training batch: the layers it recorded
-    real = stages_module.label_batch
+    real = prepare_module.label_batch
     monkeypatch.setattr(
-        stages_module,
+        prepare_module,
         "label_batch",
         lambda target, examples, layers, k: labelled.append(layers) or real(target, examples, layers, k),
     )
@@ -172,8 +172,8 @@ def test_train_cli_refuses_a_recipe_of_the_other_kind_before_any_model_loads(tmp
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("selfspec.training.joint.load_target", no_model)
-    monkeypatch.setattr("selfspec.training.pipeline.load_target", no_model)
+    monkeypatch.setattr("selfspec.training.recipes.joint.load_target", no_model)
+    monkeypatch.setattr("selfspec.training.trainer.pipeline.load_target", no_model)
     single, joint = tmp_path / "eagle3.yaml", tmp_path / "heads.yaml"
     single.write_text("drafter: eagle3\n")
     joint.write_text("heads: [eagle3, dflash]\n")

@@ -1,5 +1,7 @@
 """The package's layering, read from its source: heads/ never imports training/ (nor any other layer above it),
-drafters do not import each other, and the module import graph has no cycle (lazy imports inside functions count)."""
+drafters do not import each other, training/ imports none of the faces above it and its jobs import downward only
+(data, trainer, recipes, studies), only scripts/ and the device program run the studies, and the module import graph
+has no cycle (lazy imports inside functions count)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,67 @@ def test_heads_import_nothing_above_them_and_not_each_other():
                 and _drafter_of(i) != _drafter_of(module)
             )
             assert not siblings, f"drafter module {module} imports other drafters {siblings}: share through base/vocab"
+
+
+# The faces above training/: the public API and its package face, the CLI, the benchmark harness, the terminal chat,
+# the web demo and the device program. `selfspec` alone is the package's __init__ (the public API's names).
+ABOVE_TRAINING = ("selfspec.api", "selfspec.bench", "selfspec.chat", "selfspec.cli", "selfspec.demo", "selfspec.device")
+# training/'s jobs from the ground up: a module imports its own job's modules and those of the jobs below it, never
+# one above (the pipeline finds the recipes through the drafter registry, not by an import).
+TRAINING_FLOORS = (
+    ("selfspec.training", "selfspec.training.config", "selfspec.training.clock", "selfspec.training.throughput"),
+    ("selfspec.training.data",),
+    ("selfspec.training.trainer",),
+    ("selfspec.training.recipes",),
+    ("selfspec.training.studies",),
+)
+STUDIES = "selfspec.training.studies"
+# What may run a study besides the studies themselves (and scripts/, which are no part of the package): the device
+# program, whose evaluation stage measures the new heads' draft accuracy on a lent GPU.
+STUDY_RUNNERS = ("selfspec.device",)
+
+
+def _within(module: str, *packages: str) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def _training_floor(module: str) -> int:
+    """The floor of a training module: that of the longest name in TRAINING_FLOORS it falls under (a module at
+    training/'s top level that is not named there is on the ground floor)."""
+    return max(
+        (len(name), floor) for floor, names in enumerate(TRAINING_FLOORS) for name in names if _within(module, name)
+    )[1]
+
+
+def test_training_imports_none_of_the_faces_above_it():
+    graph = import_graph()
+    for module, imports in graph.items():
+        if _within(module, "selfspec.training"):
+            upward = sorted(i for i in imports if i == "selfspec" or _within(i, *ABOVE_TRAINING))
+            assert not upward, f"{module} imports {upward}: training/ must not depend on the layers that use it"
+
+
+def test_training_jobs_import_downward_only():
+    graph = import_graph()
+    for module, imports in graph.items():
+        if not _within(module, "selfspec.training"):
+            continue
+        floor = _training_floor(module)
+        upward = sorted(i for i in imports if _within(i, "selfspec.training") and _training_floor(i) > floor)
+        assert not upward, (
+            f"{module} imports {upward}: a training job imports its own and lower jobs only "
+            f"({' < '.join(names[0].rpartition('.')[2] for names in TRAINING_FLOORS[1:])})"
+        )
+
+
+def test_only_scripts_and_the_device_program_import_the_studies():
+    graph = import_graph()
+    offenders = [
+        f"{module} imports {sorted(i for i in imports if _within(i, STUDIES))}"
+        for module, imports in graph.items()
+        if not _within(module, STUDIES, *STUDY_RUNNERS) and any(_within(i, STUDIES) for i in imports)
+    ]
+    assert not offenders, "the package runs no study (scripts/ and the device program do): " + "; ".join(offenders)
 
 
 def _drafter_of(module: str) -> str:

@@ -12,9 +12,9 @@ from selfspec.cost import CostCurve
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.medusa import MedusaHeads, TreeTemplate
-from selfspec.training.losses import draft_vocabulary, soft_cross_entropy
-from selfspec.training.medusa import best_tree, shifted_labels
-from selfspec.training.trainer import Batch
+from selfspec.training.recipes.medusa import best_tree, shifted_labels
+from selfspec.training.trainer.loop import Batch
+from selfspec.training.trainer.losses import draft_vocabulary, soft_cross_entropy
 
 from .helpers import PROMPT, hf_greedy, make_tiny_target, random_medusa_dir, without_eos
 
@@ -50,7 +50,7 @@ def test_soft_cross_entropy_renormalises_inside_the_draft_vocabulary():
 
 
 def test_draft_vocabulary_keeps_the_most_chosen_tokens():
-    from selfspec.training.labels import LabeledSequence
+    from selfspec.training.data.labels import LabeledSequence
 
     top1 = torch.tensor([5, 5, 5, 7, 7, 9]).view(-1, 1)
     sequence = LabeledSequence(

@@ -1,5 +1,5 @@
-"""The EAGLE-3 scaling table from one wsd run (selfspec/training/scaling.py): a point per kept step, each a branch
-that decays over a fraction more steps and is measured; points not reached yet are said so; measured points are
+"""The EAGLE-3 scaling table from one wsd run (selfspec/training/studies/scaling.py): a point per kept step, each a
+branch that decays over a fraction more steps and is measured; points not reached yet are said so; measured points are
 kept; the log-linear fit and what it predicts."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import selfspec.training.scaling as scaling_module
+import selfspec.training.studies.scaling as scaling_module
 from selfspec.errors import SelfspecError
 from selfspec.heads.artifacts import heldout_tau
 from selfspec.heads.eagle import Eagle3Config
 from selfspec.models import load_target
 from selfspec.training.config import EvalConfig, LabelConfig, TrainConfig, load_recipe
-from selfspec.training.pipeline import run_recipe
-from selfspec.training.scaling import fit_log_linear, predicted_positions, scaling_points, write_table
+from selfspec.training.studies.scaling import fit_log_linear, predicted_positions, scaling_points, write_table
+from selfspec.training.trainer.pipeline import run_recipe
 
 from .helpers import tiny_recipe
 

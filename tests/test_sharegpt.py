@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from selfspec.training import sharegpt
-from selfspec.training.sharegpt import heldout_boundary, load_sharegpt, parse_complete_records
+from selfspec.training.data import sharegpt
+from selfspec.training.data.sharegpt import heldout_boundary, load_sharegpt, parse_complete_records
 
 
 def torn_file(tmp_path, records, cut=25):

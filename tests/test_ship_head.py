@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from selfspec.heads import create_drafter
 from selfspec.models import load_target
-from selfspec.training.pipeline import write_report
+from selfspec.training.trainer.pipeline import write_report
 
 from .helpers import random_dflash_dir, random_eagle3_dir, random_medusa_dir
 

@@ -20,7 +20,7 @@ from selfspec.exchange import export_heads
 from selfspec.exchange import import_heads as import_any
 from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import save_head
-from selfspec.training.eagle import EagleTraining
+from selfspec.training.recipes.eagle import EagleTraining
 
 from .helpers import (
     FLAT,

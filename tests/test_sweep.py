@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-import selfspec.training.labels as labels_module
-import selfspec.training.sweep as sweep_module
+import selfspec.training.data.labels as labels_module
+import selfspec.training.studies.sweep as sweep_module
 from selfspec.errors import SelfspecError
 from selfspec.heads.eagle import Eagle3Config
 from selfspec.models import load_target
 from selfspec.training.config import LabelConfig, TrainConfig
-from selfspec.training.stages import recipe_data
-from selfspec.training.sweep import Arm, parse_arms, sweep
+from selfspec.training.data.prepare import recipe_data
+from selfspec.training.studies.sweep import Arm, parse_arms, sweep
 
 from .helpers import tiny_recipe
 
@@ -93,7 +93,7 @@ def test_sweep_arms_share_batches_and_start_weights_and_are_measured_on_calibrat
     monkeypatch.setattr(sweep_module, "collate", spy)
     calls = _count_labelling(monkeypatch)
     monkeypatch.setattr(sweep_module, "label_sequence", labels_module.label_sequence)  # the counted one
-    monkeypatch.setattr("selfspec.training.stages.label_batch", None)  # streamed labelling would fail here
+    monkeypatch.setattr("selfspec.training.data.prepare.label_batch", None)  # streamed labelling would fail here
     result = sweep(target, config, [Arm(0.01, 1), Arm(0.01, 1), Arm(0.002, 3)], steps=6, calibration_sequences=4)
     assert len(calls) == 4  # only the calibration sequences measured: training reads the kept sample
     trained = [row for batch in fetched[:6] for row in batch]

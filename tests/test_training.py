@@ -17,14 +17,15 @@ from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.medusa import MedusaConfig, MedusaLoraConfig
 from selfspec.models import load_target
-from selfspec.training import labels as labels_module
 from selfspec.training.config import EvalConfig, TrainConfig, load_joint_recipe, load_recipe
-from selfspec.training.data import Example, load_conversations, tokenize_conversation
-from selfspec.training.labels import build_label_cache, label_sequence, load_label_cache
-from selfspec.training.pipeline import run_recipe
-from selfspec.training.sharegpt import Conversation
-from selfspec.training.stages import prepare_examples
-from selfspec.training.trainer import collate, train
+from selfspec.training.data import labels as labels_module
+from selfspec.training.data.conversations import load_conversations
+from selfspec.training.data.labels import build_label_cache, label_sequence, load_label_cache
+from selfspec.training.data.prepare import prepare_examples
+from selfspec.training.data.sharegpt import Conversation
+from selfspec.training.data.tokenizing import Example, tokenize_conversation
+from selfspec.training.trainer.loop import collate, train
+from selfspec.training.trainer.pipeline import run_recipe
 
 from .helpers import hf_greedy, record_sharegpt_splits, tiny_recipe, tiny_training_setup
 
@@ -90,7 +91,7 @@ def test_label_shapes_and_cache_round_trip_and_resume(tmp_path, tiny_checkpoint,
 def test_streamed_labels_are_each_sequences_own_labels_with_no_padding(tiny_checkpoint, monkeypatch):
     """label_batch (streamed labels) gives each sequence what label_sequence gives it alone; sequences of one length
     share a forward, and no forward pads (no attention mask: plain causal attention, no position for nothing)."""
-    from selfspec.training.labels import label_batch
+    from selfspec.training.data.labels import label_batch
 
     target = load_target(str(tiny_checkpoint))
     torch.manual_seed(0)
@@ -252,7 +253,7 @@ def test_train_cli_errors(tmp_path, capsys):
 
 
 def test_regeneration_engines_agree_and_resume(tmp_path, tiny_checkpoint, fake_sharegpt):
-    from selfspec.training.data import regenerate
+    from selfspec.training.data.regenerate import regenerate
     from selfspec.training.throughput import StageCount
 
     target = load_target(str(tiny_checkpoint))

@@ -18,17 +18,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import selfspec.training.checkpoints as checkpoints_module
-import selfspec.training.data as data_module
-import selfspec.training.labels as labels_module
-import selfspec.training.trainer as trainer_module
+import selfspec.training.data.labels as labels_module
+import selfspec.training.data.regenerate as regenerate_module
+import selfspec.training.trainer.checkpoints as checkpoints_module
+import selfspec.training.trainer.loop as trainer_module
 from selfspec.cli import main
 from selfspec.errors import SelfspecError
 from selfspec.heads.eagle import EagleConfig, EagleHead
 from selfspec.training.config import TrainConfig
-from selfspec.training.eagle import EagleTraining
-from selfspec.training.pipeline import run_recipe
-from selfspec.training.trainer import train
+from selfspec.training.recipes.eagle import EagleTraining
+from selfspec.training.trainer.loop import train
+from selfspec.training.trainer.pipeline import run_recipe
 
 from .helpers import tiny_recipe, tiny_training_setup
 
@@ -171,13 +171,13 @@ def test_a_recipe_stopped_in_each_stage_resumes_to_the_uninterrupted_heads(
     run_recipe(straight)
     config = replace(straight, out=str(tmp_path / "heads"), work_dir=str(tmp_path / "work"))
     with monkeypatch.context() as patch:  # 1. stopped after the first regeneration batch (of 16 prompts)
-        _stop_after(patch, data_module, "_batched_replies", 1)
+        _stop_after(patch, regenerate_module, "_batched_replies", 1)
         with pytest.raises(Stop):
             run_recipe(config, resume=True)
     first_replies = (tmp_path / "work" / "regenerated.jsonl").read_text().splitlines()
     assert 0 < len(first_replies) <= 16
     with monkeypatch.context() as patch:  # 2. resumed, stopped after two label shards (of 16 sequences)
-        generated = _counting(patch, data_module, "_batched_replies")
+        generated = _counting(patch, regenerate_module, "_batched_replies")
         _stop_after(patch, labels_module, "label_sequence", 40)
         with pytest.raises(Stop):
             run_recipe(config, resume=True)

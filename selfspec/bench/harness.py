@@ -16,7 +16,7 @@ from ..execution import describe_cpu
 from ..heads import parse_drafter_options
 from ..models import Target
 from ..options import split_drafter_specs
-from .prompts import PromptItem, load_prompt_file, load_prompt_set
+from ..training.data.prompt_sets import PromptItem, load_prompt_file, load_prompt_set
 from .report import aggregate, markdown_table, source_table, write_outputs
 from .runner import HF_PEERS, BenchSettings, build_methods, run_benchmark
 

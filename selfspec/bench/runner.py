@@ -19,8 +19,8 @@ from ..api import SelfSpec
 from ..heads import parse_drafter_options
 from ..heads.artifacts import heads_kind
 from ..models import Target
+from ..training.data.prompt_sets import PromptItem
 from .metrics import RunRecord
-from .prompts import PromptItem
 
 HF_PEERS = ("hf_prompt_lookup", "hf_early_exit")
 

@@ -259,10 +259,10 @@ def _bench(args) -> None:
     from pathlib import Path
 
     from ..bench.harness import BenchRequest, parse_drafters, parse_list, run_bench, valid_peers
-    from ..bench.prompts import DATASETS
     from ..bench.runner import BenchSettings
     from ..models import load_target
     from ..sampling import SamplingConfig
+    from ..training.data.prompt_sets import DATASETS
 
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     request = BenchRequest(
@@ -283,7 +283,7 @@ def _bench(args) -> None:
 
 def _train(args) -> None:
     from ..training.config import load_joint_recipe, load_recipe, tiny_scale
-    from ..training.pipeline import resolve_recipe, run_recipe
+    from ..training.trainer.pipeline import resolve_recipe, run_recipe
 
     overrides = {"model": args.model, "out": args.out}
     if args.drafter == "heads":  # a joint recipe: one label pass, every head (the recipe is read before any model)
@@ -307,7 +307,7 @@ def _train(args) -> None:
 
 
 def _train_heads(config, args) -> None:
-    from ..training.joint import run_joint
+    from ..training.recipes.joint import run_joint
 
     reports = run_joint(config, resume=args.resume, max_steps=args.max_steps)
     for name, report in reports.items():
@@ -324,7 +324,7 @@ def _tune(args) -> None:
     from ..heads.artifacts import SKIP_FILE
     from ..heads.layerskip import user_skip_path
     from ..models import load_target
-    from ..training.layerskip_search import TuneOptions, tune_layerskip
+    from ..training.recipes.layerskip import TuneOptions, tune_layerskip
 
     options = TuneOptions(
         trials=args.trials,
@@ -362,7 +362,7 @@ def _medusa_tree(args) -> None:
     from pathlib import Path
 
     from ..models import load_target
-    from ..training.medusa_recipe import rebuild_tree
+    from ..training.recipes.medusa import rebuild_tree
 
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)

@@ -78,7 +78,7 @@ def build_items(work: Path, gguf_model: Path, sharegpt_json: Path) -> list[Path]
     import gguf
 
     from ..models import DEFAULT_GGUF_FILE
-    from ..training.sharegpt import SHAREGPT_FILE
+    from ..training.data.sharegpt import SHAREGPT_FILE
 
     work.mkdir(parents=True, exist_ok=True)
     package = Path(gguf.__file__).parent

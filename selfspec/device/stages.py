@@ -95,7 +95,7 @@ def sampling_check(samples: int, lookup_every: int = 4) -> dict:
 def real_model_checks(args) -> dict:
     """Every drafter's greedy output against HF `generate` on the default model, float32 and bfloat16."""
     from selfspec import create_drafter, load_target, speculative_generate
-    from selfspec.bench.prompts import load_prompt_set
+    from selfspec.training.data.prompt_sets import load_prompt_set
 
     prompts, new_tokens = (1, 8) if args.tiny else (2, 64)
     report = {}
@@ -145,8 +145,8 @@ def regenerate(args) -> dict:
 
     from selfspec import load_target
     from selfspec.options import to_dict
-    from selfspec.training.data import load_conversations
-    from selfspec.training.data import regenerate as regenerate_replies
+    from selfspec.training.data.conversations import load_conversations
+    from selfspec.training.data.regenerate import regenerate as regenerate_replies
 
     config = recipe(args)
     data = config.data
@@ -198,7 +198,7 @@ def evaluate(args) -> dict:
     """chain@1/2/3 of each new head on the target's greedy continuations of the three prompt sets."""
     from selfspec import create_drafter, load_target
     from selfspec.device.program import bfloat16_copy
-    from selfspec.training import draft_accuracy
+    from selfspec.training.studies import draft_accuracy
 
     target = load_target("default", device=device())
     per_set, new_tokens = (1, 12) if args.tiny else (8, 96)

@@ -128,7 +128,7 @@ class TreeTemplate:
 
 
 @register_drafter(
-    "medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.medusa_recipe:train_medusa"
+    "medusa", options=MedusaOptions, config=MedusaConfig, recipe="selfspec.training.recipes.medusa:train_medusa"
 )
 class MedusaDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)

@@ -83,7 +83,7 @@ class TrainConfig:
     keep_steps: tuple[int, ...] = ()  # checkpoints taken at these steps and never pruned (branch points)
     # A limit on the training loop's minutes (null: none). After a short measured warm-up the run's total steps are
     # fixed at min(max_steps, the steps that fit what is left of it at the measured pace), and the schedule decays
-    # to that total; the plan is kept in the checkpoints, so a resumed run follows it (trainer.py, StepBudget).
+    # to that total; the plan is kept in the checkpoints, so a resumed run follows it (trainer/loop.py, StepBudget).
     time_budget_minutes: float | None = None
 
     def __post_init__(self) -> None:  # checked when the recipe is read, not hours later when training starts
@@ -154,7 +154,7 @@ class HeadRates:
 
 @dataclass(frozen=True)
 class JointConfig:
-    """`selfspec train heads`: one label pass feeds several heads trained in the same steps (training/joint.py).
+    """`selfspec train heads`: one label pass feeds several heads trained in the same steps (recipes/joint.py).
     The shared sections mean what they mean in a single recipe; each head keeps its own section and is written to
     `out/<head>` (e.g. runs/heads/eagle3) as its own recipe would write it."""
 

@@ -65,7 +65,9 @@ def block_tree(log_probs: torch.Tensor, top_k: int, max_nodes: int, size_for) ->
     return tokens, parents
 
 
-@register_drafter("dflash", options=DFlashOptions, config=DFlashConfig, recipe="selfspec.training.dflash:train_dflash")
+@register_drafter(
+    "dflash", options=DFlashOptions, config=DFlashConfig, recipe="selfspec.training.recipes.dflash:train_dflash"
+)
 class DFlashDrafter(VocabHeadDrafter):
     """Loads a selfspec heads directory, or a speculators DFlash one (imported as it loads)."""
 

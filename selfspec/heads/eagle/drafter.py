@@ -159,7 +159,7 @@ def grow_tree(
 
 
 @register_drafter(
-    "eagle", options=EagleOptions, config=EagleConfig, recipe="selfspec.training.eagle:train_eagle_family"
+    "eagle", options=EagleOptions, config=EagleConfig, recipe="selfspec.training.recipes.eagle:train_eagle_family"
 )
 class EagleDrafter(VocabHeadDrafter):
     hidden_layers = (-1,)

@@ -171,7 +171,7 @@ def imported_artifact(target: Target, directory: Path) -> HeadArtifact:
 
 
 @register_drafter(
-    "eagle3", options=Eagle3Options, config=Eagle3Config, recipe="selfspec.training.eagle:train_eagle_family"
+    "eagle3", options=Eagle3Options, config=Eagle3Config, recipe="selfspec.training.recipes.eagle:train_eagle_family"
 )
 class Eagle3Drafter(EagleDrafter):
     """Loads a selfspec heads directory, or a speculators EAGLE-3 one (imported as it loads)."""

@@ -16,8 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..execution import InPlaceCache
-from ..models import Target
+from ...execution import InPlaceCache
+from ...models import Target
 
 DROP_FINISHED = 0.25  # finished rows leave the batch once they are this share of it (each drop copies the cache)
 PREFILL_POSITIONS = 4096  # padded prompt positions in one prefill forward

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SelfspecError
-from ..heads.dflash import DFlashConfig, DFlashHead, resolve_feature_layers
-from ..models import Target
-from .config import RecipeConfig
-from .labels import LabeledSequence
-from .losses import draft_vocabulary
-from .stages import recipe_data, train_and_save
-from .trainer import Batch, TrainableHead
+from ...errors import SelfspecError
+from ...heads.dflash import DFlashConfig, DFlashHead, resolve_feature_layers
+from ...models import Target
+from ..config import RecipeConfig
+from ..data.labels import LabeledSequence
+from ..data.prepare import recipe_data
+from ..trainer.loop import Batch, TrainableHead
+from ..trainer.losses import draft_vocabulary
+from ..trainer.pipeline import train_and_save
 
 METRIC_POSITIONS = (1, 2, 4, 8)  # block positions whose top-1 agreement the progress bar shows
 

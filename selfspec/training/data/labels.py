@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..errors import SelfspecError
-from ..files import atomic_write, atomic_write_text
-from ..models import Target
-from .clock import running_time
-from .data import Example
-from .throughput import StageCount
+from ...errors import SelfspecError
+from ...files import atomic_write, atomic_write_text
+from ...models import Target
+from ..clock import running_time
+from ..throughput import StageCount
+from .tokenizing import Example
 
 MANIFEST = "manifest.json"
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..errors import SelfspecError
-from ..heads.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleFamilyHead, EagleHead, resolve_eagle3_layers
-from ..models import Target
-from .config import RecipeConfig
-from .labels import LabeledSequence
-from .losses import draft_vocabulary, soft_cross_entropy
-from .stages import recipe_data, train_and_save
-from .trainer import Batch, TrainableHead
+from ...errors import SelfspecError
+from ...heads.eagle import Eagle3Config, Eagle3Head, EagleConfig, EagleFamilyHead, EagleHead, resolve_eagle3_layers
+from ...models import Target
+from ..config import RecipeConfig
+from ..data.labels import LabeledSequence
+from ..data.prepare import recipe_data
+from ..trainer.loop import Batch, TrainableHead
+from ..trainer.losses import draft_vocabulary, soft_cross_entropy
+from ..trainer.pipeline import train_and_save
 
 
 class EagleTraining(TrainableHead):

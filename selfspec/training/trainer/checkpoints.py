@@ -21,9 +21,9 @@ from time import monotonic
 
 import torch
 
-from ..errors import SelfspecError
-from ..files import atomic_write
-from .config import TrainConfig
+from ...errors import SelfspecError
+from ...files import atomic_write
+from ..config import TrainConfig
 
 # Settings a resumed run must share with the checkpoint: they fix the data order and the optimisation so far.
 # (max_steps may grow, to train on, and so may a wsd run's decay_steps; checkpoint and log intervals, and the steps

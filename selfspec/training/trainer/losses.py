@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from .labels import LabeledSequence
+from ..data.labels import LabeledSequence
 
 
 def draft_vocabulary(sequences: list[LabeledSequence], size: int, vocab_size: int) -> torch.Tensor:

@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import SelfspecError
-from ..models import Target
-from .clock import running_time
-from .config import RecipeConfig
-from .eagle import EagleTraining, eagle_family, new_eagle_head
-from .labels import label_sequence
-from .stages import recipe_data
-from .trainer import batch_order, collate, head_accelerator, lr_factors, train_step
+from ...errors import SelfspecError
+from ...models import Target
+from ..clock import running_time
+from ..config import RecipeConfig
+from ..data.labels import label_sequence
+from ..data.prepare import recipe_data
+from ..recipes.eagle import EagleTraining, eagle_family, new_eagle_head
+from ..trainer.loop import batch_order, collate, head_accelerator, lr_factors, train_step
 
 
 @dataclass(frozen=True)

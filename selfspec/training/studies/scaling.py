@@ -19,17 +19,17 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..errors import SelfspecError
-from ..files import atomic_write_text
-from ..heads.artifacts import save_head
-from ..models import Target
-from ..options import to_dict
-from .config import RecipeConfig
+from ...errors import SelfspecError
+from ...files import atomic_write_text
+from ...heads.artifacts import save_head
+from ...models import Target
+from ...options import to_dict
+from ..config import RecipeConfig
+from ..data.prepare import recipe_data
+from ..recipes.eagle import EagleTraining, eagle_family, new_eagle_head
+from ..trainer.loop import train
+from ..trainer.pipeline import checkpoint_dir, evaluate_heldout, write_report
 from .draft_accuracy import eagle_chain_accuracy, greedy_continuations
-from .eagle import EagleTraining, eagle_family, new_eagle_head
-from .pipeline import evaluate_heldout, write_report
-from .stages import checkpoint_dir, recipe_data
-from .trainer import train
 
 
 def scaling_points(

@@ -20,7 +20,10 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import SelfspecError
+from ...errors import SelfspecError
+from ..clock import running_time
+from ..config import TrainConfig
+from ..data.labels import LabeledSequence
 from .budget import StepBudget
 from .checkpoints import (
     CheckpointClock,
@@ -31,9 +34,6 @@ from .checkpoints import (
     save_checkpoint,
     set_aside,
 )
-from .clock import running_time
-from .config import TrainConfig
-from .labels import LabeledSequence
 
 
 @dataclass(frozen=True)

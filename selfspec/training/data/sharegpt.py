@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from ..errors import SelfspecError
+from ...errors import SelfspecError
 
 HELDOUT_FRACTION = Fraction(2, 100)  # exact, so the boundary is the same integer on every platform
 ROLES = {

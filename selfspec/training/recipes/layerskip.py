@@ -28,10 +28,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..cost import CostCurve, target_cost_curve
-from ..decoding import speculative_generate
-from ..errors import SelfspecError
-from ..heads.layerskip import (
+from ...cost import CostCurve, target_cost_curve
+from ...decoding import speculative_generate
+from ...errors import SelfspecError
+from ...heads.layerskip import (
     LayerSkipDrafter,
     LayerSkipSettings,
     SkippingForward,
@@ -41,9 +41,10 @@ from ..heads.layerskip import (
     fingerprint_key,
     save_skip_file,
 )
-from ..models import Target
-from .data import load_conversations, tokenize_conversation
-from .losses import most_frequent
+from ...models import Target
+from ..data.conversations import load_conversations
+from ..data.tokenizing import tokenize_conversation
+from ..trainer.losses import most_frequent
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def tune_layerskip(target: Target, options: TuneOptions, storage_path: Path, out
             study.optimize(objective, n_trials=remaining, callbacks=[report])
     summary = summarize(study, target, options, curve, storage_path, command)
     if options.timing:  # plain decoding through the same loop, for scale
-        from ..heads import create_drafter
+        from ...heads import create_drafter
 
         plain, _ = measure_speed(target, create_drafter("none", target), calibration.prompts, options.max_new_tokens)
         summary["plain_tokens_per_s"] = round(plain, 3)

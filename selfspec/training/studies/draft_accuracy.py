@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from ..bench.prompts import load_prompt_set
-from ..decoding import speculative_generate
-from ..heads import create_drafter
-from ..heads.dflash import DFlashHead
-from ..heads.eagle import EagleConfig, EagleFamilyHead
-from ..heads.medusa import MedusaHeads
-from ..models import Target
-from .eagle import EagleTraining
+from ...decoding import speculative_generate
+from ...heads import create_drafter
+from ...heads.dflash import DFlashHead
+from ...heads.eagle import EagleConfig, EagleFamilyHead
+from ...heads.medusa import MedusaHeads
+from ...models import Target
+from ..data.prompt_sets import load_prompt_set
+from ..recipes.eagle import EagleTraining
 
 PROMPT_SETS = ("mtbench", "humaneval", "sharegpt")
 
