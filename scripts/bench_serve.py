@@ -1,0 +1,187 @@
+"""Load benchmark of `selfspec serve`: throughput, time to first token and inter-token latency at several concurrency
+levels, with speculation on (a drafter) and off (`none`), the two servers taking turns at each level so that drifts
+of the machine hit both.
+
+    python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 8 --max-tokens 128
+
+Both servers run in this process on one model (the same weights, the same execution path), each on its own port,
+driven over loopback by client threads that stream (server-sent events) and time each chunk. Prompts: the held-out
+ShareGPT prompts the bench uses. Writes results.json, results.md and throughput.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from selfspec import SelfSpec
+from selfspec.files import atomic_write_text
+from selfspec.serve import Scheduler, ServedModel, listen, uvicorn_server
+from selfspec.training.data.prompt_sets import load_prompt_set
+
+
+class Server:
+    """One scheduler and uvicorn server on a free loopback port, in threads of this process."""
+
+    def __init__(self, spec: SelfSpec, slots: int, max_tokens: int):
+        self.scheduler = Scheduler(spec, slots)
+        self.scheduler.engine.slot_drafter(0)  # built before the clock starts
+        served = ServedModel(spec.target.name, spec.target, spec._drafter_spec, max_tokens)
+        sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn_server(self.scheduler, served)
+        self.scheduler.start()
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.scheduler.close()
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> dict:
+    """Stream one chat request; the times of its first content chunk and of each later one, and its token count."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
+    began = time.perf_counter()
+    chunk_times, tokens, error = [], 0, None
+    with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]["message"]
+                continue
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                chunk_times.append(time.perf_counter() - began)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    ended = time.perf_counter() - began
+    ttft = chunk_times[0] if chunk_times else ended
+    itl = (ended - ttft) / (tokens - 1) if tokens > 1 else 0.0
+    return {"ttft_s": ttft, "itl_s": itl, "tokens": tokens, "wall_s": ended, "error": error}
+
+
+def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    began = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(lambda prompt: one_request(url, prompt, max_tokens), prompts))
+    wall = time.perf_counter() - began
+    ttft = sorted(result["ttft_s"] for result in results)
+    itl = sorted(result["itl_s"] for result in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": sum(result["error"] is not None or result["tokens"] == 0 for result in results),
+        "tokens": sum(result["tokens"] for result in results),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(sum(result["tokens"] for result in results) / wall, 2),
+        "ttft_p50_s": round(statistics.median(ttft), 4),
+        "ttft_p99_s": round(_percentile(ttft, 0.99), 4),
+        "itl_p50_ms": round(1e3 * statistics.median(itl), 2),
+        "itl_p99_ms": round(1e3 * _percentile(itl, 0.99), 2),
+    }
+
+
+def _percentile(values: list[float], share: float) -> float:
+    return values[min(len(values) - 1, int(share * len(values)))]
+
+
+def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = [
+        f"# selfspec serve under load: {meta['model']}, drafter {meta['drafter']} against none",
+        "",
+        f"{meta['date']}, {meta['machine']}, path {meta['path']}, {meta['slots']} slots, {meta['requests']} requests "
+        f"a level, {meta['max_tokens']} tokens each, held-out ShareGPT prompts. Command: `{meta['command']}`",
+        "",
+        "| concurrency | server | tokens/s | vs off | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    off = {row["concurrency"]: row for row in rows if row["server"] == "off"}
+    for row in rows:
+        ratio = row["tokens_per_s"] / off[row["concurrency"]]["tokens_per_s"]
+        lines.append(
+            f"| {row['concurrency']} | {row['server']} | {row['tokens_per_s']:.1f} | {ratio:.2f}x | "
+            f"{row['ttft_p50_s']:.2f} | {row['ttft_p99_s']:.2f} | {row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} | "
+            f"{row['errors']} |"
+        )
+    atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for server in ("on", "off"):
+        points = [(row["concurrency"], row["tokens_per_s"]) for row in rows if row["server"] == server]
+        axis.plot(*zip(*points, strict=True), marker="o", label=f"speculation {server}")
+    axis.set_xlabel("concurrent requests")
+    axis.set_ylabel("tokens/s, all requests")
+    axis.set_xscale("log", base=2)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "throughput.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--drafter", default="auto")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level and server")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", default="runs/bench-serve")
+    args = parser.parse_args(argv)
+    levels = [int(level) for level in args.concurrency.split(",")]
+    prompts = [item.text for item in load_prompt_set("sharegpt")]
+    on = SelfSpec(args.model, drafter=args.drafter)
+    off = SelfSpec(on.target, drafter="none")
+    on.target.execution.prepare()
+    servers = {"on": Server(on, args.slots, args.max_tokens), "off": Server(off, args.slots, args.max_tokens)}
+    rows = []
+    try:
+        for server in servers.values():  # warm-up: the path's first steps, the drafters' first requests
+            run_level(server.url, prompts[:2], 2, 16)
+        for index, level in enumerate(levels):
+            sample = [prompts[(index * args.requests + k) % len(prompts)] for k in range(args.requests)]
+            for name in ("on", "off") if index % 2 == 0 else ("off", "on"):
+                row = {"server": name, **run_level(servers[name].url, sample, level, args.max_tokens)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    from selfspec.execution import describe_cpu
+
+    meta = {
+        "model": on.target.name,
+        "drafter": args.drafter,
+        "path": on.target.execution.name,
+        "slots": args.slots,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "machine": describe_cpu(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python scripts/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    write_outputs(Path(args.out), meta, rows)
+    print(f"written to {args.out}/results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
