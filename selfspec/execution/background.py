@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import selfspec
-
 from ..errors import first_line
 from ..files import atomic_write_text
 
@@ -89,7 +87,7 @@ def clear_failure(directory: Path) -> None:
 def spawn_compile(source: str, threads: int, directory: Path) -> subprocess.Popen:
     """Start `selfspec compile --background` for the model `source` (as `load_target` takes it) with `threads` torch
     threads (part of the packages' key), detached: a session of its own, no terminal, its output in the log."""
-    package_root = str(Path(selfspec.__file__).resolve().parents[1])  # the child imports this very selfspec
+    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very selfspec
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "selfspec.cli", "compile", "--model", source]
     command += ["--device", "cpu", "--dtype", "float32", "--threads", str(threads), "--background"]

@@ -75,7 +75,8 @@ class ExecutionPath:
 
     def _build_twin(self) -> torch.nn.Module:
         twin = sharing_copy(self.model)
-        if twin.config._attn_implementation == "sdpa":
+        attention = twin.config._attn_implementation  # transformers gives no public reader
+        if attention == "sdpa":
             twin.set_attn_implementation(GROUPED_SDPA)
         calibrate(self.dispatch, pack_linears(twin, self.dispatch), remeasure=self.recalibrate)
         return twin
