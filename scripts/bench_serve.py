@@ -12,6 +12,7 @@ ShareGPT prompts the bench uses. Writes results.json, results.md and throughput.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import sys
@@ -19,8 +20,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import httpx
 
 from selfspec import SelfSpec
 from selfspec.files import atomic_write_text
@@ -55,8 +54,12 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
     began = time.perf_counter()
     chunk_times, tokens, error = [], 0, None
-    with httpx.Client(timeout=600) as client, client.stream("POST", url + "/v1/chat/completions", json=body) as reply:
-        for line in reply.iter_lines():
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=600)
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        while line := reply.readline():
+            line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
@@ -67,6 +70,8 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
                 chunk_times.append(time.perf_counter() - began)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+    finally:
+        connection.close()
     ended = time.perf_counter() - began
     ttft = chunk_times[0] if chunk_times else ended
     itl = (ended - ttft) / (tokens - 1) if tokens > 1 else 0.0

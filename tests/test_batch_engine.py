@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
+from selfspec.batch.engine import batch_curve
+from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
@@ -141,3 +143,28 @@ def test_bad_engines_and_requests_are_refused(tmp_path):
     assert not engine.busy
     with pytest.raises(SelfspecError, match="slots"):
         BatchEngine(target, lambda: create_drafter("none", target), slots=0)
+
+
+def test_trees_are_priced_for_the_batch(tmp_path):
+    """A step of B requests pads every row to the widest tree: a tree of n nodes is priced at the curve's cost of B * n
+    tokens over B roots, and a request alone goes back to its drafter's own curve."""
+    curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.0, 1.2, 1.5, 2.5), source="test")
+    assert batch_curve(curve, 1) == CostCurve(curve.sizes, curve.relative_cost, "test, priced for 1 requests")
+    four = batch_curve(curve, 4)
+    assert (
+        four.cost(1) == 1.0
+        and four.cost(2) == pytest.approx(1.5 / 1.2)
+        and four.cost(4) == pytest.approx(2.5 / 1.2, abs=1e-4)
+    )
+    target = without_eos(make_tiny_target("llama"))
+    engine = BatchEngine(target, drafter_factory("ngram", target, tmp_path), slots=2)
+    seen = []
+    propose = engine._propose
+    engine._propose = lambda running: (
+        seen.append((len(engine.running), engine.drafters[running.slot].cost_curve.source)) or propose(running)
+    )
+    for prompt, count in REQUESTS[:2]:
+        engine.submit(BatchRequest(list(prompt), count))
+    engine.run()
+    assert {source.endswith("priced for 2 requests") for rows, source in seen if rows == 2} == {True}
+    assert {source.endswith("priced for 2 requests") for rows, source in seen if rows == 1} == {False}

@@ -18,6 +18,7 @@ float32 rounding of products over more rows, as between a one-token step and a t
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..cost import CostCurve
 from ..decoding import GenerationStats, validate_request
 from ..errors import SelfspecError
 from ..heads.base import Drafter, DraftRequest, Observation
@@ -88,6 +90,7 @@ class BatchEngine:
             raise SelfspecError("batched decoding covers full-attention models only (this one has sliding windows)")
         self.target, self.make_drafter, self.slots = target, make_drafter, slots
         self.drafters: list[Drafter | None] = [None] * slots
+        self.own_curves: list[CostCurve | None] = [None] * slots  # each slot drafter's curve for one request
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[_Running] = []  # row i of the cache is running[i]
         self.cache = RaggedCache(target.num_layers)
@@ -109,6 +112,7 @@ class BatchEngine:
             self._admit()
             if not self.running:
                 return finished
+            self._price_trees()
             trees = [self._propose(running) for running in self.running]
             logits, hidden = self._forward(trees)
             for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
@@ -132,6 +136,7 @@ class BatchEngine:
             if drafter.target.model is not self.target.model:
                 raise SelfspecError(f"drafter '{drafter.name}' drafts for another model than the engine's target")
             self.drafters[slot] = paced(drafter)
+            self.own_curves[slot] = drafter.cost_curve
         return self.drafters[slot]
 
     def _admit(self) -> None:
@@ -159,6 +164,16 @@ class BatchEngine:
             running = _Running(request, slot, committed, generator, started, time.perf_counter() - started)
             running.drafter_before = drafter.stats()
             self.running.append(running)
+
+    def _price_trees(self) -> None:
+        """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree, so
+        a tree of n nodes costs what B * n tokens cost, over B roots alone: each drafter sizes its tree by that curve
+        (batch_curve), and by its own again when it runs alone."""
+        rows = len(self.running)
+        for running in self.running:
+            drafter = self.drafters[running.slot]
+            own = self.own_curves[running.slot]
+            drafter.cost_curve = own if rows == 1 else batch_curve(own, rows)
 
     def _propose(self, running: _Running) -> DraftTree:
         drafter = self.drafters[running.slot]
@@ -271,6 +286,15 @@ class BatchEngine:
         return Finished(
             running.request, tuple(running.new_tokens), stats, running.started, drafter.describe(), by_source
         )
+
+
+@functools.lru_cache(maxsize=256)
+def batch_curve(curve: CostCurve, rows: int) -> CostCurve:
+    """The cost of one request's tree of n nodes in a step of `rows` requests padded to it: `curve` at rows * n over
+    `curve` at rows (every request's root), for the sizes `curve` has."""
+    sizes = curve.sizes
+    relative = tuple(round(curve.cost(rows * n) / curve.cost(rows), 4) for n in sizes)
+    return CostCurve(sizes, relative, source=f"{curve.source}, priced for {rows} requests")
 
 
 def _empty_stats(target: Target) -> GenerationStats:
