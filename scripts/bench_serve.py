@@ -5,7 +5,7 @@ of the machine hit both.
     python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 8 --max-tokens 128
 
 Both servers run in this process on one model (the same weights, the same execution path), each on its own port,
-driven over loopback by client threads that stream (server-sent events) and time each chunk. Prompts: the held-out
+driven over loopback by client processes that stream (server-sent events) and time each chunk. Prompts: the held-out
 ShareGPT prompts the bench uses. Writes results.json, results.md and throughput.png to --out.
 """
 
@@ -18,7 +18,7 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from selfspec import SelfSpec
@@ -79,10 +79,13 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    began = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda prompt: one_request(url, prompt, max_tokens), prompts))
-    wall = time.perf_counter() - began
+    # Clients in processes of their own: threads of this one would hold the interpreter lock the server's decoding
+    # thread needs (one started per level, before the clock).
+    with ProcessPoolExecutor(max_workers=concurrency) as pool:
+        list(pool.map(time.sleep, [0.0] * concurrency))
+        began = time.perf_counter()
+        results = list(pool.map(one_request, [url] * len(prompts), prompts, [max_tokens] * len(prompts)))
+        wall = time.perf_counter() - began
     ttft = sorted(result["ttft_s"] for result in results)
     itl = sorted(result["itl_s"] for result in results)
     return {
