@@ -16,37 +16,20 @@ import http.client
 import json
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from selfspec import SelfSpec
 from selfspec.files import atomic_write_text
-from selfspec.serve import Scheduler, ServedModel, listen, uvicorn_server
+from selfspec.serve import Scheduler, ServedModel, ServerThread
 from selfspec.training.data.prompt_sets import load_prompt_set
 
 
-class Server:
-    """One scheduler and uvicorn server on a free loopback port, in threads of this process."""
-
-    def __init__(self, spec: SelfSpec, slots: int, max_tokens: int):
-        self.scheduler = Scheduler(spec, slots)
-        self.scheduler.engine.slot_drafter(0)  # built before the clock starts
-        served = ServedModel(spec.target.name, spec.target, spec._drafter_spec, max_tokens)
-        sock = listen("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn_server(self.scheduler, served)
-        self.scheduler.start()
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.scheduler.close()
+def start_server(spec: SelfSpec, slots: int, max_tokens: int) -> ServerThread:
+    scheduler = Scheduler(spec, slots)
+    scheduler.engine.slot_drafter(0)  # built before the clock starts
+    return ServerThread(scheduler, ServedModel(spec.target.name, spec.target, spec._drafter_spec, max_tokens))
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> dict:
@@ -159,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     on = SelfSpec(args.model, drafter=args.drafter)
     off = SelfSpec(on.target, drafter="none")
     on.target.execution.prepare()
-    servers = {"on": Server(on, args.slots, args.max_tokens), "off": Server(off, args.slots, args.max_tokens)}
+    servers = {name: start_server(spec, args.slots, args.max_tokens) for name, spec in (("on", on), ("off", off))}
     rows = []
     try:
         for server in servers.values():  # warm-up: the path's first steps, the drafters' first requests

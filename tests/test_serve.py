@@ -25,7 +25,7 @@ import pytest
 
 from selfspec import SelfSpec
 from selfspec.cli import main
-from selfspec.serve import Scheduler, ServedModel, listen, uvicorn_server
+from selfspec.serve import Scheduler, ServedModel, ServerThread
 
 PROMPTS = ["a dog", "the cat sat on the mat the cat sat on the", "mat a the three red was dog ran", "big red"]
 MAX_TOKENS = 24
@@ -60,24 +60,15 @@ class Running:
         self.scheduler = Scheduler(self.spec)
         served = ServedModel(self.spec.target.name, self.spec.target, "ngram", default_max_tokens=MAX_TOKENS)
         self.model = served.model_id
-        sock = listen("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn_server(self.scheduler, served)
-        self.scheduler.start()
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        self.server = ServerThread(self.scheduler, served)
+        self.url = self.server.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         # References on models of their own (the server's is busy on its own thread): speculative and plain.
         self.reference = SelfSpec(str(checkpoint), drafter="ngram")
         self.plain = SelfSpec(self.reference.target, drafter="none")
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.scheduler.close()
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -248,3 +249,23 @@ def run(sock: socket.socket, scheduler: Scheduler, served: ServedModel) -> None:
     finally:
         scheduler.close()
         sock.close()
+
+
+class ServerThread:
+    """The server on a free loopback port in threads of this process (tests, the load benchmark): started at once,
+    `url` to call, `stop()` to end it and its scheduler."""
+
+    def __init__(self, scheduler: Scheduler, served: ServedModel):
+        sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.scheduler, self.server = scheduler, uvicorn_server(scheduler, served)
+        scheduler.start()
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.scheduler.close()
