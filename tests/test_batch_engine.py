@@ -118,14 +118,15 @@ def test_the_ragged_cache_keeps_rows_apart():
     cache.add_row([first], [first + 100], 3)
     cache.add_row(None, None, 0)
     layer = cache.layers[0]
-    new = torch.stack([torch.full((2, 2, 4), -1.0), torch.full((2, 2, 4), -2.0)])  # [rows, heads, 2 new, dim]
+    row0 = torch.tensor([-1.0, -3.0]).view(1, 2, 1).expand(2, 2, 4)  # two distinct new positions
+    new = torch.stack([row0, torch.full((2, 2, 4), -2.0)])  # [rows, heads, 2 new, dim]
     keys, _ = layer.update(new, new)
     assert keys.shape == (2, 2, 5, 4)
     assert torch.equal(keys[0, :, :3], first[0]) and torch.equal(keys[0, :, 3:], new[0])  # after row 0's prefix
     assert torch.equal(keys[1, :, :2], new[1])  # row 1 from its own start
-    cache.keep(0, torch.tensor([1]))  # row 0 keeps its second new position only
-    cache.keep(1, torch.tensor([0, 1]))
-    assert cache.lengths == [4, 2]
+    cache.keep(0, (1,))  # row 0 keeps its second new position only: moved next to its prefix
+    cache.keep(1, (0, 1))  # a chain from the root: in place already
+    assert cache.lengths == [4, 2] and torch.equal(layer.store[0][0, :, 3], torch.full((2, 4), -3.0))
     assert cache.drop_row(0) == 1 and cache.lengths == [2]  # the last row moves into the freed one
     assert torch.equal(layer.store[0][0, :, :2], new[1])
 

@@ -92,12 +92,15 @@ class RaggedCache(Cache):
                 layer.load(row, layer_keys[:, :, :length], layer_values[:, :, :length])
         return row
 
-    def keep(self, row: int, offsets: torch.Tensor) -> None:
-        """After a step: row `row` keeps its prefix and the step's nodes at `offsets` (its accepted path)."""
+    def keep(self, row: int, path: tuple[int, ...]) -> None:
+        """After a step: row `row` keeps its prefix and the step's nodes on `path` (its accepted path, ascending). A
+        path that is a chain from the root (0, 1, ..., k-1) is where it should be already: nothing moves."""
         base = self.lengths[row]
-        for layer in self.layers:
-            layer.keep(row, base, offsets)
-        self.lengths[row] = base + offsets.numel()
+        if path != tuple(range(len(path))):
+            offsets = torch.tensor(path, device=self.layers[0].store[0].device)
+            for layer in self.layers:
+                layer.keep(row, base, offsets)
+        self.lengths[row] = base + len(path)
 
     def drop_row(self, row: int) -> int | None:
         """Remove row `row`; the last row moves into its place. Returns the index that moved there (None: none did)."""

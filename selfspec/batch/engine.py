@@ -226,8 +226,7 @@ class BatchEngine:
         stop_at = next((i for i, token in enumerate(emitted) if token in stop_ids), None)
         if stop_at is not None:
             emitted, running.stop_reason = emitted[: stop_at + 1], "eos"
-        path = torch.tensor(result.accepted_path, device=logits.device)
-        self.cache.keep(row, path)
+        self.cache.keep(row, result.accepted_path)
         running.committed.extend(emitted)
         running.new_tokens.extend(emitted)
         running.accepted_lengths.append(len(emitted))
@@ -239,6 +238,7 @@ class BatchEngine:
         if len(running.committed) >= self.target.context_limit:
             running.stop_reason = "context"
             return
+        path = torch.tensor(result.accepted_path, device=logits.device)
         rows = {layer: states.index_select(0, path) for layer, states in hidden.items()}
         drafter.observe(Observation(emitted, rows, tree, result.accepted_path))
 
