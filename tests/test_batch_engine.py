@@ -13,7 +13,15 @@ from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.sampling import SamplingConfig
 
-from .helpers import PROMPT, make_tiny_target, random_eagle_dir, random_medusa_dir, without_eos
+from .helpers import (
+    PROMPT,
+    OracleDrafter,
+    hf_greedy,
+    make_tiny_target,
+    random_eagle_dir,
+    random_medusa_dir,
+    without_eos,
+)
 
 # Prompts of different lengths (one of a single token: an empty prefix) and different lengths to generate, so rows
 # are ragged, finish at different steps and the waiting one joins mid-way.
@@ -169,3 +177,25 @@ def test_trees_are_priced_for_the_batch(tmp_path):
     engine.run()
     assert {source.endswith("priced for 2 requests") for rows, source in seen if rows == 2} == {True}
     assert {source.endswith("priced for 2 requests") for rows, source in seen if rows == 1} == {False}
+
+
+def test_accepted_nodes_away_from_the_chain_are_moved_in_each_row():
+    """An oracle that puts a wrong sibling before each right child: every accepted path skips nodes, so each row's
+    cache must gather its accepted nodes next to its prefix, rows of different lengths side by side."""
+    target = without_eos(make_tiny_target("qwen2", path="fast"))
+    requests = REQUESTS[:4]
+    expected = [hf_greedy(target, list(prompt), count, eos=-1) for prompt, count in requests]
+    oracles = iter(
+        [
+            OracleDrafter(target, list(prompt) + reply, depth=3, decoys=True)
+            for (prompt, _), reply in zip(requests, expected, strict=True)
+        ]
+    )
+    engine = BatchEngine(target, lambda: next(oracles), slots=4)
+    submitted = [BatchRequest(list(prompt), count) for prompt, count in requests]
+    for request in submitted:
+        engine.submit(request)
+    done = {id(result.request): result for result in engine.run()}
+    for request, reply in zip(submitted, expected, strict=True):
+        result = done[id(request)]
+        assert list(result.token_ids) == reply and result.stats.mean_accepted_length > 2.5
