@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from .execution import ExecutionPath
-from .execution.calibration import BUSY_SPREAD, QUICK_TRIES
+from .execution.calibration import measure_until_quiet
 from .files import atomic_write_text, cpu_signature
 from .models import Target, cache_root
 
@@ -129,7 +129,12 @@ def measure_forward_times(
     """Seconds for one forward of n new tokens after `cache_length` cached ones, per execution path: the fastest of
     `repeats` rounds (the least disturbed by other load)."""
     samples = forward_time_samples(target, paths, cache_length, repeats, sizes)
-    return {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
+    return {name: fastest(by_size) for name, by_size in samples.items()}
+
+
+def fastest(samples: dict[int, list[float]]) -> dict[int, float]:
+    """Each size's fastest round: the one least disturbed by other load."""
+    return {n: min(values) for n, values in samples.items()}
 
 
 def forward_time_samples(
@@ -204,13 +209,13 @@ def target_cost_curve(target: Target) -> CostCurve:
         "measures a thorough one)",
         file=sys.stderr,
     )
-    for _ in range(QUICK_TRIES):
-        samples = forward_time_samples(target, {"path": target.execution}, 256, repeats=3, sizes=QUICK_SIZES)["path"]
-        spread = busy_spread(samples)
-        if spread <= BUSY_SPREAD:
-            times = {n: min(values) for n, values in samples.items()}
-            save_cost_curve(curve_from_times(times, QUICK_SIZES), *key)
-            return load_cost_curve(*key)
+    samples, spread, quiet = measure_until_quiet(
+        lambda: forward_time_samples(target, {"path": target.execution}, 256, repeats=3, sizes=QUICK_SIZES)["path"],
+        busy_spread,
+    )
+    if quiet:
+        save_cost_curve(curve_from_times(fastest(samples), QUICK_SIZES), *key)
+        return load_cost_curve(*key)
     print(
         f"selfspec: the machine is busy (the same step's time varied {spread:.1f}x), so the curve was not stored; the "
         "built-in estimate sizes the trees, and the next run measures again",

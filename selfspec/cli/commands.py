@@ -152,8 +152,9 @@ def _profile(args) -> None:
 
     import torch
 
-    from ..cost import BUSY_SPREAD, PROFILE_SIZES, busy_spread, curve_from_times, forward_time_samples, save_cost_curve
+    from ..cost import PROFILE_SIZES, busy_spread, curve_from_times, fastest, forward_time_samples, save_cost_curve
     from ..errors import SelfspecError
+    from ..execution.calibration import BUSY_SPREAD
     from ..models import load_target
 
     if args.recalibrate and args.path == "stock":
@@ -161,7 +162,7 @@ def _profile(args) -> None:
     target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     paths = _profile_paths(target, args)
     samples = forward_time_samples(target, paths, cache_length=args.cache_length, repeats=args.repeats)
-    times = {name: {n: min(values) for n, values in by_size.items()} for name, by_size in samples.items()}
+    times = {name: fastest(by_size) for name, by_size in samples.items()}
     spread = max(busy_spread(by_size) for by_size in samples.values())
     if spread > BUSY_SPREAD:
         print(

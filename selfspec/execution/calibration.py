@@ -9,16 +9,31 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable, TypeVar
 
 import torch
 
 from ..files import atomic_write_text, cache_root, cpu_signature
 from .linears import RowDispatch
 
+T = TypeVar("T")
+
 # A timing whose median round took this much longer than its fastest was taken under other load (here, and for the
 # cost curves in cost.py); a measurement stored for good is tried this many times before giving up for the run.
 BUSY_SPREAD = 1.35
 QUICK_TRIES = 3
+
+
+def measure_until_quiet(measure: Callable[[], T], spread_of: Callable[[T], float]) -> tuple[T, float, bool]:
+    """Run `measure` up to QUICK_TRIES times until its result's spread (median round over fastest) is within
+    BUSY_SPREAD -> (the last result, its spread, whether it is quiet enough to store)."""
+    for _ in range(QUICK_TRIES):
+        result = measure()
+        spread = spread_of(result)
+        if spread <= BUSY_SPREAD:
+            return result, spread, True
+    return result, spread, False
+
 
 STOCK_ROWS_ENV = "SELFSPEC_STOCK_ROWS"  # fixes RowDispatch.stock_rows instead of measuring it (tests, or by hand)
 CALIBRATION_ROWS = (1, 2, 3, 4, 6, 8)  # row counts timed; from the first where packing wins, it is used
@@ -79,11 +94,11 @@ def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module], remeasure: 
     if path.is_file() and not remeasure:
         dispatch.stock_rows, dispatch.source = int(json.loads(path.read_text())["stock_rows"]), str(path)
         return
-    for _ in range(QUICK_TRIES):
-        dispatch.stock_rows, timings, spread = measure_stock_rows(modules, dispatch)
-        if spread <= BUSY_SPREAD:
-            break
-    else:  # a verdict taken under other load can be wrong for good (a 1-row step 1.75x slower): used now, not kept
+    measured, spread, quiet = measure_until_quiet(
+        lambda: measure_stock_rows(modules, dispatch), lambda result: result[2]
+    )
+    dispatch.stock_rows, timings = measured[0], measured[1]
+    if not quiet:  # a verdict taken under other load can be wrong for good (a 1-row step 1.75x slower): used now only
         dispatch.source = f"measured on a busy machine (timings varied {spread:.1f}x), not stored"
         print(
             f"selfspec: the machine is busy (the fast path's kernel timings varied {spread:.1f}x): its row split is "
