@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .errors import SelfspecError, first_line
@@ -75,7 +75,7 @@ class Target:
     name: str = "model"
     _eos: tuple[int, ...] | None = field(default=None, repr=False)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters merged into `model` (e.g. Medusa-2 heads)
-    path: str = "auto"  # the execution path asked for: auto, stock, fast or compiled (see selfspec.execution)
+    path: str = "auto"  # the execution path asked for: auto, stock, fast, compiled or q4 (see selfspec.execution)
     source: str | None = None  # the model as load_target took it (a background compile loads it again), if it did
 
     @cached_property
@@ -264,7 +264,6 @@ def check_default_prompt_fits(spec: str, prompt: str, chat: bool) -> None:
     its context is counted with the tokenizer and the context read from the GGUF alone, so a too-long prompt is one
     line before any conversion. Anything else (another model, a converted one, a short prompt) is checked when the
     model has loaded, as every request is."""
-    from transformers import AutoConfig
 
     converted = _is_complete_checkpoint(cache_root() / "models" / DEFAULT_MODEL_NAME)
     if str(spec) != DEFAULT_MODEL or converted or len(prompt.encode("utf-8")) < UNCOUNTED_PROMPT_BYTES:
@@ -298,6 +297,8 @@ def load_target(
     device = device or _default_device()
     dtype = dtype or _default_dtype(device)
     spec = str(spec)
+    if path == "q4":
+        return _load_four_bit_target(spec, device, dtype)
     if spec == DEFAULT_MODEL:
         location, name = default_checkpoint_dir(), DEFAULT_MODEL_NAME
     else:
@@ -317,6 +318,37 @@ def load_target(
         _own_memory(model)
     source = spec if spec == DEFAULT_MODEL or not location.exists() else str(location.resolve())
     target = Target(model=model, tokenizer=tokenizer, name=name, path=path, source=source)
+    target.execution  # noqa: B018  (checks the path choice now, before any generation)
+    return target
+
+
+def _load_four_bit_target(spec: str, device: str, dtype: torch.dtype) -> Target:
+    """The q4 path's target: a GGUF file (or the default model's) with its decoder linears kept as the file's 4-bit
+    blocks (execution.q4), never de-quantised to float32."""
+    from .execution.q4 import load_four_bit_model
+
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        raise SelfspecError("--path q4 runs on the CPU in float32 activations: leave out --device and --dtype")
+    if spec == DEFAULT_MODEL:
+        file, name = default_gguf_file(), DEFAULT_MODEL_NAME
+    else:
+        file, name = Path(spec).expanduser(), Path(spec).name
+        if not (file.is_file() and file.suffix == ".gguf"):
+            raise SelfspecError(f"--path q4 reads a GGUF file's 4-bit blocks: '{spec}' is not a .gguf file")
+    converted = cache_root() / "models" / DEFAULT_MODEL_NAME
+    try:
+        if spec == DEFAULT_MODEL and _is_complete_checkpoint(converted):  # its tokenizer files load in a second
+            config = AutoConfig.from_pretrained(converted, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(converted, local_files_only=True)
+        else:
+            config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        raise SelfspecError(f"could not load the GGUF file '{file}': {first_line(error)}") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the 4-bit layers are selfspec's own, not a transformers quantizer's
+    model = load_four_bit_model(file, config)
+    target = Target(model=model, tokenizer=tokenizer, name=name, path="q4", source=spec)
     target.execution  # noqa: B018  (checks the path choice now, before any generation)
     return target
 

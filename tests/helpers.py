@@ -28,6 +28,8 @@ from transformers import (
 
 from selfspec.cost import CostCurve, load_cost_curve
 from selfspec.decoding import speculative_generate
+from selfspec.execution.q4 import GROUP, Q4Linear
+from selfspec.heads import create_drafter
 from selfspec.heads.artifacts import save_head
 from selfspec.heads.base import Drafter, DraftRequest, Observation
 from selfspec.heads.dflash import DFlashConfig, DFlashHead
@@ -84,7 +86,30 @@ def make_tiny_target(
     model = model_cls(config).eval()
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
+    if path == "q4":
+        four_bit_layers(model)
     return Target(model=model, tokenizer=None, name=f"tiny-{family}", path=path)  # auto: stock for tiny models
+
+
+def four_bit_layers(model: torch.nn.Module) -> None:
+    """Quantise a tiny model's decoder linears in place to 4-bit groups of 32 as GGUF's Q4_1 does (a scale and a
+    minimum per group, codes 0..15), as `Q4Linear`s: a stand-in for a model loaded from a Q4_1 GGUF file."""
+    with torch.no_grad():
+        for parent in model.model.layers.modules():
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                groups = child.weight.reshape(child.out_features, -1, GROUP)  # [N, K/32, 32]
+                low, high = groups.amin(-1), groups.amax(-1)
+                scale = (high - low).clamp_min(1e-8) / 15
+                codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+                setattr(parent, name, Q4Linear(codes.reshape(child.weight.shape), scale, low + 8 * scale))
+
+
+def plain_greedy(target: Target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference on a path whose numbers transformers' generate does not reproduce (q4): plain decoding on it."""
+    tokens, _ = speculative_generate(target, create_drafter("none", target), torch.tensor(prompt), max_new_tokens)
+    return list(tokens)
 
 
 def make_word_tokenizer(words: list[str]):
@@ -155,9 +180,12 @@ def chi_target(num_hidden_layers: int = 1, path: str = "auto", family: str = "ll
 def expected_joint(target, prompt: list[int] = CHI_PROMPT) -> torch.Tensor:
     """[V, V]: the target's probability of each pair of next tokens after `prompt`, under SAMPLING."""
     with torch.inference_mode():
-        first = logits_to_probs(target.model(torch.tensor([prompt])).logits[0, -1], SAMPLING)
+        first = logits_to_probs(target.forward(torch.tensor([prompt])).logits[0, -1], SAMPLING)
         second = torch.stack(
-            [logits_to_probs(target.model(torch.tensor([prompt + [t]])).logits[0, -1], SAMPLING) for t in range(VOCAB)]
+            [
+                logits_to_probs(target.forward(torch.tensor([prompt + [t]])).logits[0, -1], SAMPLING)
+                for t in range(VOCAB)
+            ]
         )
     return first[:, None] * second  # [V, V]
 

@@ -52,6 +52,7 @@ from .helpers import (
     expected_joint,
     hf_greedy,
     make_tiny_target,
+    plain_greedy,
     random_dflash_dir,
     random_eagle3_dir,
     random_eagle_dir,
@@ -185,7 +186,8 @@ def build(name: str, target: Target, tmp_path: Path, reduced: bool = False, **op
 def check_greedy(name: str, family: str, tmp_path: Path, path: str = "fast") -> None:
     case = case_for(name)
     target = without_eos(make_tiny_target(family, path=path))
-    reference = hf_greedy(target, PROMPT, 30, eos=-1)
+    # transformers' generate runs the model as it is; the q4 path's LM head rounds to bfloat16: its own plain decoding
+    reference = plain_greedy(target, PROMPT, 30) if path == "q4" else hf_greedy(target, PROMPT, 30, eos=-1)
     for reduced in (False, True) if case.make_artifacts else (False,):
         for options in case.greedy_options:
             drafter = build(name, target, tmp_path, reduced, **options)
@@ -248,11 +250,18 @@ def test_greedy_equals_plain_greedy(name, family, kernels, tmp_path):
 
 
 @pytest.mark.parametrize("name", contract_names())
-def test_sampling_follows_the_target_distribution(name, tmp_path):
-    # Losslessness on the path decoding runs by default; each drafter on another architecture family, so the suite
-    # covers them all at the cost of one run per drafter.
-    family = CORE_FAMILIES[contract_names().index(name) % len(CORE_FAMILIES)]
-    target = chi_target(num_hidden_layers=2, path="fast", family=family)
+def test_greedy_equals_plain_greedy_on_the_four_bit_path(name, tmp_path):
+    # Each drafter on another family, so the suite covers them all at one run per drafter.
+    check_greedy(name, CORE_FAMILIES[contract_names().index(name) % len(CORE_FAMILIES)], tmp_path, "q4")
+
+
+@pytest.mark.parametrize("four_bit", [False, True], ids=["fast", "q4"])
+@pytest.mark.parametrize("name", contract_names())
+def test_sampling_follows_the_target_distribution(name, four_bit, tmp_path):
+    # Losslessness on the path decoding runs by default (and on the 4-bit one); each drafter on another architecture
+    # family (shifted by one on q4), so the suite covers them all at the cost of one run per drafter and path.
+    family = CORE_FAMILIES[(contract_names().index(name) + four_bit) % len(CORE_FAMILIES)]
+    target = chi_target(num_hidden_layers=2, path="q4" if four_bit else "fast", family=family)
     drafter = build(name, target, tmp_path, **case_for(name).chi_options)
     counts, drafted = torch.zeros(VOCAB, VOCAB), 0
     for seed in range(CHI_SAMPLES):

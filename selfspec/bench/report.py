@@ -35,12 +35,14 @@ class Row:
     accepted_by_source: dict[str, int] | None = None  # composite drafters (auto): the same per source
     draft_share: float | None = None  # share of the wall time the drafter took (proposals, bookkeeping); None for HF
     verify_share: float | None = None  # share of the wall time in the target's tree forwards and verification
+    none_match_rate: float | None = None  # share equal to `none`'s on the same path (the q4 path's reference); greedy
 
 
 def aggregate(
     records: list[RunRecord], temperature: float, cost: Callable[[int], float], by_category: bool = False
 ) -> list[Row]:
     reference = {r.prompt_id: r.token_ids for r in records if r.method == "hf"}
+    plain = {r.prompt_id: r.token_ids for r in records if r.method == "none"}
     keys = sorted({(r.dataset, r.category if by_category else None) for r in records}, key=lambda k: (k[0], k[1] or ""))
     methods = list(dict.fromkeys(r.method for r in records))  # run order: hf, none, drafters, peers
     rows = []
@@ -67,6 +69,7 @@ def aggregate(
                     ceiling_vs_none=_round(metrics.cost_ceiling(mine, cost)),
                     mean_tree_size=_round(metrics.mean_tree_size(mine)),
                     greedy_match_rate=_round(metrics.greedy_match_rate(mine, reference)) if temperature == 0 else None,
+                    none_match_rate=_round(metrics.greedy_match_rate(mine, plain)) if temperature == 0 else None,
                     peak_mem_mb=round(max(r.peak_mem_mb for r in mine), 1),
                     accepted_draft_tokens=metrics.accepted_draft_tokens(mine),
                     accepted_by_source=metrics.accepted_by_source(mine),
@@ -94,6 +97,7 @@ _COLUMNS = [
     ("mean_tree_size", "tree"),
     ("draft_share", "drafting"),
     ("greedy_match_rate", "= HF"),
+    ("none_match_rate", "= none"),
     ("peak_mem_mb", "peak MB"),
 ]
 

@@ -28,9 +28,10 @@ def _add_model_args(parser: argparse.ArgumentParser, path: bool = True) -> None:
     parser.add_argument(
         "--path",
         default="auto",
-        choices=["auto", "stock", "fast", "compiled"],
+        choices=["auto", "stock", "fast", "compiled", "q4"],
         help="the target's execution path: fast = weights pre-packed for small-row GEMMs (CPU, float32); compiled = "
         "fast, with the decoding steps compiled ahead of time (once per machine, a few minutes; needs g++); "
+        "q4 = a GGUF file's own 4-bit weights on PyTorch's int4 kernel (CPU; not the float32 text: docs/execution.md); "
         "auto = the best of these that exists here",
     )
 

@@ -6,7 +6,9 @@ On `fast`, `forward` runs the path's twin of the model (twin.py: its own modules
 linear layers are packed ones (linears.py, their row split calibrated once per machine: calibration.py) and whose
 `sdpa` attention is the grouped-head SDPA (attention.py, set through `set_attn_implementation`); `new_cache` gives the
 KV cache written in place (kv_storage.py). On `compiled`, `forward` sends the decoding steps to the compiled graphs
-(compiled.py) and anything else (prefill) to the twin.
+(compiled.py) and anything else (prefill) to the twin. On `q4` (a model loaded with 4-bit linears, q4.py), the twin
+keeps those linears, takes the grouped SDPA and the in-place cache as `fast` does, and multiplies the LM head in
+bfloat16 (`BFloat16Head`), so that every product of a step is row-invariant.
 
 The path is settled by `prepare()` (the first `forward` or `active()`, or anything that keys on `name` first): under
 `auto`, where the compiled graphs are not stored, it is `fast`, with the build `pending`; `start_build()` starts it in
@@ -31,13 +33,15 @@ from .capabilities import CpuCapabilities, detect_capabilities
 from .compiled import CompiledStep
 from .kv_storage import InPlaceCache
 from .linears import RowDispatch, pack_linears
+from .q4 import BFloat16Head
 from .selection import compile_mode, model_traits, select_path
 from .twin import sharing_copy
 
 
 class ExecutionPath:
     """How the target's forward runs. `path`: 'stock', 'fast', 'compiled' (fast, with the decoding steps compiled
-    ahead of time), or 'auto' (the best of these that exists here: selection.py). Building one is cheap: packing,
+    ahead of time), 'q4' (a model loaded with 4-bit linears) or 'auto' (the best of these that exists here:
+    selection.py). Building one is cheap: packing,
     calibrating and compiling wait for `prepare()`."""
 
     def __init__(
@@ -78,7 +82,10 @@ class ExecutionPath:
         attention = twin.config._attn_implementation  # transformers gives no public reader
         if attention == "sdpa":
             twin.set_attn_implementation(GROUPED_SDPA)
-        calibrate(self.dispatch, pack_linears(twin, self.dispatch), remeasure=self.recalibrate)
+        if self.name == "q4":  # its linears are 4-bit already; the LM head runs in bfloat16
+            twin.set_output_embeddings(BFloat16Head(twin.get_output_embeddings()))
+        else:
+            calibrate(self.dispatch, pack_linears(twin, self.dispatch), remeasure=self.recalibrate)
         return twin
 
     @property
@@ -199,7 +206,7 @@ class ExecutionPath:
     def pack(self, module: torch.nn.Module) -> bool:
         """For a drafter's own frozen, inference-only modules (its heads): on `fast` and `compiled`, every nn.Linear
         inside is replaced for good by a packed one, as in the target's twin. Returns whether it packed."""
-        if self.name == "stock":
+        if self.name in ("stock", "q4"):
             return False
         pack_linears(module, self.dispatch, share_inputs=False)
         return True

@@ -5,10 +5,13 @@ cache layers) and the CPU's capabilities, so every branch can be tested with cap
 - `fast`: a CPU in float32 with oneDNN's packed linear kernels (linears.py, attention.py, kv_storage.py).
 - `compiled`: `fast` with the decoding steps compiled ahead of time (compiled.py); full-attention caches only, and
   it needs AOTInductor and a C++ compiler.
-- `auto`: the best of these that exists here, except that a tiny model stays on `stock` (its weights sit in cache
-  anyway, and oneDNN's per-call overhead outweighs what packing saves) and $SELFSPEC_COMPILE=0 keeps it from
-  compiling (`compile_mode`: whether `auto` waits for a compile or builds it in the background). Asking for a path
-  that cannot run here is an error naming the reason.
+- `q4`: a GGUF file's own 4-bit blocks on torch's int4 CPU kernel (q4.py): a model loaded for it
+  (`load_target(..., path="q4")`) has no float32 copy of its decoder linears, so it runs on `q4` (or as it is,
+  `stock`) alone.
+- `auto`: the best of these that exists here (`q4` for a model loaded 4-bit), except that a tiny model stays on
+  `stock` (its weights sit in cache anyway, and oneDNN's per-call overhead outweighs what packing saves) and
+  $SELFSPEC_COMPILE=0 keeps it from compiling (`compile_mode`: whether `auto` waits for a compile or builds it in the
+  background). Asking for a path that cannot run here is an error naming the reason.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from transformers.cache_utils import DynamicLayer
 
 from ..errors import SelfspecError
 from .capabilities import CpuCapabilities, detect_capabilities
+from .q4 import four_bit_kernel_available, is_four_bit
 
-PATH_CHOICES = ("auto", "stock", "fast", "compiled")
+PATH_CHOICES = ("auto", "stock", "fast", "compiled", "q4")
 # `auto` packs only models whose linear layers hold at least this many weights (tiny test models run faster stock).
 AUTO_MIN_WEIGHTS = 1 << 20
 COMPILE_ENV = "SELFSPEC_COMPILE"  # how `auto` gets its compiled graphs: COMPILE_MODES
@@ -48,18 +52,19 @@ class ModelTraits:
     dtype: torch.dtype
     linear_weights: int  # weights held by its nn.Linear layers
     full_attention_only: bool  # every layer of its cache is a full-attention DynamicLayer (what compiled steps cover)
+    four_bit: bool = False  # loaded with 4-bit linears (q4.load_four_bit_model): it runs on the q4 path
 
 
 def model_traits(model: torch.nn.Module) -> ModelTraits:
     parameter = next(model.parameters())
     linear_weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
     full_attention = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
-    return ModelTraits(parameter.device.type, parameter.dtype, linear_weights, full_attention)
+    return ModelTraits(parameter.device.type, parameter.dtype, linear_weights, full_attention, is_four_bit(model))
 
 
 @dataclass(frozen=True)
 class PathChoice:
-    name: str  # "stock", "fast" or "compiled"
+    name: str  # "stock", "fast", "compiled" or "q4"
     note: str = ""  # under `auto`, why a faster path does not run here ("" when none is missing)
 
 
@@ -93,6 +98,8 @@ def select_path(path: str, model: ModelTraits, cpu: CpuCapabilities, auto_compil
     $SELFSPEC_COMPILE=0. A named path that cannot run here is a SelfspecError saying why and what to use instead."""
     if path not in PATH_CHOICES:
         raise SelfspecError(f"the execution path must be one of {', '.join(PATH_CHOICES)}, got '{path}'")
+    if model.four_bit or path == "q4":
+        return _four_bit_choice(path, model)
     available, reason = fast_path_available(model.device_type, model.dtype, cpu)
     if path in ("fast", "compiled") and not available:
         raise SelfspecError(f"--path {path}: {reason}; use --path stock or auto")
@@ -110,3 +117,22 @@ def select_path(path: str, model: ModelTraits, cpu: CpuCapabilities, auto_compil
     if compiles and not auto_compiles:
         compiles, why_not = False, f"${COMPILE_ENV}=0"
     return PathChoice("compiled") if compiles else PathChoice("fast", f"no compiled step: {why_not}")
+
+
+def _four_bit_choice(path: str, model: ModelTraits) -> PathChoice:
+    """A model loaded with 4-bit linears runs on `q4` (under `q4` or `auto`) or as it is (`stock`), not on the paths
+    that pack float32 weights; `q4` needs such a model."""
+    if not model.four_bit:
+        raise SelfspecError(
+            "--path q4 runs a GGUF file's 4-bit blocks: load the model with --path q4 from a .gguf file (or 'default')"
+        )
+    if path == "stock":
+        return PathChoice("stock")
+    if path not in ("q4", "auto"):
+        raise SelfspecError(
+            f"--path {path}: this model was loaded with 4-bit linears, which run on --path q4 only; load it again "
+            f"with --path {path} for its float32 weights"
+        )
+    if model.device_type != "cpu" or not four_bit_kernel_available():
+        raise SelfspecError("--path q4 needs PyTorch's int4 CPU kernel on a CPU: use --path auto")
+    return PathChoice("q4")

@@ -1,0 +1,143 @@
+"""The q4 path: a GGUF file's own 4-bit blocks on torch's int4 CPU kernel, exact on its own terms (its rows do not
+depend on how many rows a call has), loaded without a float32 copy of the decoder linears."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from selfspec.errors import SelfspecError
+from selfspec.execution import ExecutionPath
+from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
+from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
+
+from .helpers import PROMPT, make_tiny_target, plain_greedy, without_eos
+
+ROWS = 16
+
+
+def random_blocks(out_features: int = 96, in_features: int = 128, seed: int = 0):
+    """(codes [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) as a GGUF file's 4-bit blocks hold them."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=generator)
+    scale = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
+    zero = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
+    return codes, scale, zero
+
+
+def random_four_bit() -> Q4Linear:
+    return Q4Linear(*random_blocks())
+
+
+def test_the_four_bit_product_is_the_blocks_product_in_bfloat16():
+    codes, scale, zero = random_blocks()
+    layer = Q4Linear(codes, scale, zero)
+    # the weights the kernel holds: scale and zero rounded to bfloat16, then (code - 8) * scale + zero
+    scale, zero = (part.bfloat16().float().repeat_interleave(32, 1) for part in (scale, zero))
+    weight = (codes.float() - 8) * scale + zero
+    hidden = torch.randn(5, 128)
+    expected = hidden.bfloat16().float() @ weight.t()
+    torch.testing.assert_close(layer(hidden), expected, atol=0.02, rtol=0.01)  # the output rounds to bfloat16
+
+
+@pytest.mark.parametrize("make", [random_four_bit, lambda: BFloat16Head(torch.nn.Linear(128, 300, bias=False))])
+def test_rows_do_not_depend_on_the_rows_in_the_call(make):
+    layer = make()
+    hidden = torch.randn(ROWS, 128)
+    with torch.inference_mode():
+        together = layer(hidden)
+        for rows in (1, 2, 3, 5, 8):
+            alone = torch.cat([layer(hidden[start : start + rows]) for start in range(0, ROWS, rows)])
+            assert torch.equal(alone, together), f"{rows} rows a call gave other bits than {ROWS} at once"
+
+
+def test_the_default_gguf_blocks_are_the_float32_checkpoints_weights():
+    """Unpacked, re-ordered as transformers de-quantises a llama GGUF, the codes give the converted checkpoint's
+    float32 weights exactly: the q4 path reads the same weights, not a re-quantisation."""
+    metadata, tensors = read_gguf(default_gguf_file())
+    assert metadata["general.architecture"] == "llama"
+    checkpoint = default_checkpoint_dir() / "model.safetensors"
+    heads = {"attn_q": metadata["llama.attention.head_count"], "attn_k": metadata["llama.attention.head_count_kv"]}
+    checked = {
+        "blk.0.attn_q": "model.layers.0.self_attn.q_proj.weight",
+        "blk.7.attn_k": "model.layers.7.self_attn.k_proj.weight",
+        "blk.29.ffn_down": "model.layers.29.mlp.down_proj.weight",
+    }
+    with safe_open(str(checkpoint), "pt") as weights:
+        for gguf_name, name in checked.items():
+            tensor = tensors[gguf_name]
+            codes, scale, zero = unpack_blocks(tensor.data, tensor.type_name)
+            weight = (codes.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+            if gguf_name.split(".")[-1] in heads:
+                weight = _reverse_permute(weight, heads[gguf_name.split(".")[-1]])
+            torch.testing.assert_close(weight, weights.get_tensor(name), atol=2e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def default_q4():
+    return load_target("default", path="q4")
+
+
+def test_the_default_model_loads_four_bit_without_a_float32_copy(default_q4):
+    model = default_q4.model
+    linears = [module for layer in model.model.layers for module in layer.modules() if isinstance(module, Q4Linear)]
+    assert len(linears) == 7 * model.config.num_hidden_layers
+    assert not any(type(module) is torch.nn.Linear for module in model.model.layers.modules())
+    float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert float_bytes < 130e6, "only the embeddings (the tied LM head) and the norms stay float32"
+    assert default_q4.execution.name == "q4"
+    with default_q4.execution.active():
+        assert isinstance(default_q4.execution.runner.get_output_embeddings(), BFloat16Head)
+    assert type(model.get_output_embeddings()) is torch.nn.Linear  # the model keeps its own
+
+
+def test_every_drafter_equals_plain_decoding_on_the_default_model(default_q4):
+    prompt = default_q4.tokenizer("def fibonacci(n):\n    ", return_tensors="pt").input_ids[0].tolist()
+    reference = plain_greedy(default_q4, prompt, 40)
+    from selfspec.decoding import speculative_generate
+    from selfspec.heads import create_drafter
+
+    for name in ("ngram", "history", "auto"):
+        tokens, _ = speculative_generate(default_q4, create_drafter(name, default_q4), torch.tensor(prompt), 40)
+        assert list(tokens) == reference, name
+
+
+def test_paths_and_four_bit_models_that_do_not_go_together():
+    float_model = make_tiny_target("llama")
+    with pytest.raises(SelfspecError, match="--path q4 runs a GGUF file's 4-bit blocks"):
+        ExecutionPath(float_model.model, "q4")
+    four_bit = without_eos(make_tiny_target("llama", path="q4"))
+    assert four_bit.execution.name == "q4"
+    assert ExecutionPath(four_bit.model, "auto").name == "q4"
+    assert ExecutionPath(four_bit.model, "stock").name == "stock"
+    for path in ("fast", "compiled"):
+        with pytest.raises(SelfspecError, match="4-bit linears, which run on --path q4 only"):
+            ExecutionPath(four_bit.model, path)
+    assert len(plain_greedy(four_bit, PROMPT, 5)) == 5
+
+
+def test_q4_on_a_checkpoint_directory_is_one_line(tiny_checkpoint):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "selfspec.cli",
+            "generate",
+            "--model",
+            str(tiny_checkpoint),
+            "--path",
+            "q4",
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"selfspec: error: --path q4 reads a GGUF file's 4-bit blocks: '{tiny_checkpoint}' is not a .gguf file"
+    ]
