@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from selfspec.errors import SelfspecError
 from selfspec.execution import ExecutionPath
+from selfspec.execution.attention import FLOAT64_SDPA, float64_sdpa_attention
 from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
 from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
 
@@ -141,3 +142,46 @@ def test_q4_on_a_checkpoint_directory_is_one_line(tiny_checkpoint):
     assert done.stderr.strip().splitlines() == [
         f"selfspec: error: --path q4 reads a GGUF file's 4-bit blocks: '{tiny_checkpoint}' is not a .gguf file"
     ]
+
+
+def test_float64_attention_gives_a_trees_rows_the_one_token_steps_bits():
+    """SDPA's float32 rows change with the call's shape; in float64, rounded back, they do not."""
+    generator = torch.Generator().manual_seed(0)
+    cached, rows, module = 300, 8, torch.nn.Module()
+    query = torch.randn(1, 9, rows, 64, generator=generator)
+    keys, values = (torch.randn(1, 3, cached + rows, 64, generator=generator) for _ in range(2))
+    mask = torch.full((1, 1, rows, cached + rows), torch.finfo(torch.float32).min)
+    mask[..., :cached] = 0
+    for row in range(rows):  # a chain: each row sees the cache, the rows before it and itself
+        mask[0, 0, row, cached : cached + row + 1] = 0
+    together, _ = float64_sdpa_attention(module, query, keys, values, mask)
+    for row in range(rows):
+        end = cached + row + 1
+        alone, _ = float64_sdpa_attention(
+            module, query[:, :, row : row + 1], keys[:, :, :end], values[:, :, :end], None
+        )
+        assert torch.equal(alone[:, 0], together[:, row]), f"row {row}"
+
+
+def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q4):
+    """The whole path, eager (prefill) and stepping: 8 tokens in one step give the logits of 8 one-token steps,
+    bit for bit, and the model's own attention setting is untouched."""
+    execution = default_q4.execution
+    prompt = default_q4.encode_prompt("Write a haiku about the sea.")
+    chain = torch.tensor([[504, 2365, 282, 260, 4232, 30, 216, 339]])
+
+    def logits(step_sizes: list[int]) -> torch.Tensor:
+        cache, outputs, position, done = execution.new_cache(), [], prompt.shape[1], 0
+        with torch.inference_mode(), execution.active():
+            execution.forward(prompt, past_key_values=cache)
+            for n in step_sizes:
+                positions = torch.arange(position, position + n).view(1, n)
+                piece = chain[:, done : done + n]
+                outputs.append(execution.forward(piece, position_ids=positions, past_key_values=cache).logits[0])
+                position, done = position + n, done + n
+        return torch.cat(outputs)
+
+    one_by_one = logits([1] * 8)
+    assert torch.equal(logits([8]), one_by_one) and torch.equal(logits([3, 5]), one_by_one)
+    assert default_q4.config._attn_implementation == "sdpa"
+    assert execution.runner.config._attn_implementation == FLOAT64_SDPA

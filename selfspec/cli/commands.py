@@ -3,6 +3,7 @@ checks, so bad input fails before a model loads."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -221,6 +222,7 @@ def _compile(args) -> None:
 
     from ..cost import target_cost_curve
     from ..errors import SelfspecError, first_line
+    from ..execution import COMPILE_ENV
     from ..execution.background import LOG_FILE, build_locked, compiling_elsewhere, lowest_priority
     from ..models import load_target
 
@@ -230,8 +232,12 @@ def _compile(args) -> None:
         lowest_priority()  # the CPU goes to decoding first
     if args.threads:
         torch.set_num_threads(args.threads)  # the requesting process's count: part of the packages' key
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path="compiled")
+    if args.path == "q4":
+        os.environ[COMPILE_ENV] = "wait"  # the q4 path otherwise leaves its graphs to a background build: this one
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
     step, began = target.execution.compiled, time.perf_counter()
+    if step is None:
+        raise SelfspecError(f"--path {args.path}: nothing to compile here ({target.execution.note})")
     split = target.execution.row_split().stock_rows  # decides the graphs this machine uses
     kinds = step.missing()
     print(

@@ -149,6 +149,12 @@ def _add_measuring_commands(commands: argparse._SubParsersAction) -> None:
     )
     _add_model_args(build, path=False)
     build.add_argument(
+        "--path",
+        default="compiled",
+        choices=["compiled", "q4"],
+        help="whose graphs: the float32 compiled path's (default) or the 4-bit path's (a GGUF model)",
+    )
+    build.add_argument(
         "--threads",
         type=_positive_int,
         default=None,

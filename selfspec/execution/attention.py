@@ -1,6 +1,12 @@
 """The fast path's attention: under a tree mask, SDPA on the grouped key/value heads (`enable_gqa`), registered with
 transformers' `AttentionInterface`. Stock transformers copies every layer's cached keys and values once per
-query-head group whenever a mask is given, i.e. at every tree step."""
+query-head group whenever a mask is given, i.e. at every tree step.
+
+The q4 path's attention (`FLOAT64_SDPA`): the same SDPA computed in float64 whatever the call (one token or a tree,
+with or without a mask). SDPA's float32 rows depend on how many query rows and keys one call has (its kernels block
+them), and on the q4 path each difference of one float32 unit can flip a bfloat16 rounding at the next product's
+input, so a tree's row would drift from the one-token step's. In float64 those differences stay ~1e-16, below what
+rounding the result to float32 can see: the rows come out equal."""
 
 from __future__ import annotations
 
@@ -36,3 +42,37 @@ def grouped_sdpa_attention(
 
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+FLOAT64_SDPA = "selfspec_float64_sdpa"  # the q4 path's attention: rows equal whatever the call's shape
+
+
+def float64_sdpa_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """SDPA in float64 on the grouped key/value heads (the cache may hold them in float64 already: no copy then),
+    the output in the query's dtype. Anything SDPA alone cannot express (position biases, soft-capping, paged
+    caches) is an error rather than a silent, shape-dependent fallback."""
+    if any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache")):
+        raise ValueError("the float64 attention takes plain SDPA attention only")
+    if is_causal is None:
+        is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(torch.float64)
+    groups = query.shape[1] != key.shape[1]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query.to(torch.float64),
+        key.to(torch.float64),
+        value.to(torch.float64),
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=bool(is_causal) and mask is None,
+        enable_gqa=groups,
+    )
+    return output.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FLOAT64_SDPA, float64_sdpa_attention)
+AttentionMaskInterface.register(FLOAT64_SDPA, sdpa_mask)

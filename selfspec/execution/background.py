@@ -84,13 +84,14 @@ def clear_failure(directory: Path) -> None:
     (directory / FAILED_FILE).unlink(missing_ok=True)
 
 
-def spawn_compile(source: str, threads: int, directory: Path) -> subprocess.Popen:
+def spawn_compile(source: str, threads: int, directory: Path, path: str = "compiled") -> subprocess.Popen:
     """Start `selfspec compile --background` for the model `source` (as `load_target` takes it) with `threads` torch
-    threads (part of the packages' key), detached: a session of its own, no terminal, its output in the log."""
+    threads (part of the packages' key), detached: a session of its own, no terminal, its output in the log. `path`:
+    whose graphs (`compiled`, or `q4` for the 4-bit path's)."""
     package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very selfspec
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "selfspec.cli", "compile", "--model", source]
-    command += ["--device", "cpu", "--dtype", "float32", "--threads", str(threads), "--background"]
+    command += ["--device", "cpu", "--dtype", "float32", "--threads", str(threads), "--path", path, "--background"]
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / LOG_FILE, "ab") as log:
         return subprocess.Popen(
@@ -125,9 +126,9 @@ class BackgroundBuild:
         self.asked = False
         self.process: subprocess.Popen | None = None
 
-    def start(self, source: str | None, threads: int) -> str:
-        """Start the build unless one runs elsewhere or failed before -> one line for the user (stderr) saying what
-        happens, "" after the first call."""
+    def start(self, source: str | None, threads: int, path: str = "compiled") -> str:
+        """Start the build of `path`'s graphs unless one runs elsewhere or failed before -> one line for the user
+        (stderr) saying what happens, "" after the first call."""
         if self.asked:
             return ""
         self.asked = True
@@ -141,7 +142,7 @@ class BackgroundBuild:
             )
         if source is None:
             return "selfspec: the fast path runs (graphs not compiled yet: `selfspec compile --model ...` builds them)"
-        self.process = spawn_compile(source, threads, self.directory)
+        self.process = spawn_compile(source, threads, self.directory, path)
         atomic_write_text(self.directory / PID_FILE, f"{self.process.pid}\n")
         return (
             "selfspec: the fast path runs now; this machine's compiled graphs are being built in the background "

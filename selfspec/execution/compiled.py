@@ -16,10 +16,13 @@ takes 2.3x the packed kernel's time at two rows) it runs in `tree`, padded to fo
 Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
 (kv_storage.InPlaceLayer, through its public `storage`/`reserve`/`mark_filled`), so a step copies no cache.
 Only the graphs the row split sends steps to are built (`graphs_needed`: `tree` alone where the packed kernel wins
-from two rows). Compiling takes a minute or two per graph on a 2-core CPU, once per kind of CPU, model weights, dtype
-and software versions: the packages are stored under the selfspec cache (`package_dir`); under `auto` a background
-process builds them while requests run on the fast path (background.py). Prefill and anything else the graphs do
-not cover (more than 64 new tokens, a short cache, other cache kinds) run the eager fast path.
+from two rows). The q4 path (q4.py) has one graph of its own, `q4`: 2-64 rows of its twin (4-bit linears, a
+bfloat16 LM head), compiled without its weights like `few`, a one-token step padded to two rows; its products'
+rows do not depend on the row count, so no split decides anything there. Compiling takes a minute or two per graph
+on a 2-core CPU, once per kind of CPU, model weights, dtype and software versions: the packages are stored under the
+selfspec cache (`package_dir`); under `auto` (and `q4`) a background process builds them while requests run on the
+eager path (background.py). Prefill and anything else the graphs do not cover (more than 64 new tokens, a short
+cache, other cache kinds) run the eager path.
 """
 
 from __future__ import annotations
@@ -44,18 +47,22 @@ from .kv_storage import InPlaceLayer
 from .linears import RowDispatch
 
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
-GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS)}  # graph -> the rows it takes (fewer are padded: graph_for)
+# graph -> the rows it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others float32's
+GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS), "q4": (2, MAX_TREE_ROWS)}
+WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
 PACKAGE_FORMAT = 3  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 
 
-def weights_digest(model: torch.nn.Module) -> str:
+def weights_digest(model: torch.nn.Module, buffers: bool = False) -> str:
     """A digest of the model's parameters (names, shapes and a strided sample of values): the `tree` package carries
-    the weights packed inside, so other weights (an adapter merged in, another checkpoint) need other packages."""
+    the weights packed inside, so other weights (an adapter merged in, another checkpoint) need other packages.
+    `buffers`: its buffers too (a 4-bit model's packed linears are buffers)."""
     digest = hashlib.sha1()
+    tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else [])]
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for name, parameter in tensors:
             flat = parameter.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
             digest.update(f"{name}{tuple(parameter.shape)}".encode())
@@ -63,16 +70,16 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:12]
 
 
-def package_dir(model: torch.nn.Module, model_name: str) -> Path:
+def package_dir(model: torch.nn.Module, model_name: str, four_bit: bool = False) -> Path:
     """Where the packages of `model` live: one directory per model weights, dtype (the digest samples the values as
     float32, so a bfloat16 copy of the same weights would otherwise share it), package format, kind of CPU, thread
-    count and software versions."""
+    count and software versions; `four_bit`: the q4 path's twin, whose 4-bit weights are buffers."""
     versions = (
         f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
     )
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "") + ("-q4-f64attention" if four_bit else "")
     key = (
-        f"{Path(model_name).name}--{weights_digest(model)}--{dtype}--format{PACKAGE_FORMAT}"
+        f"{Path(model_name).name}--{weights_digest(model, buffers=four_bit)}--{dtype}--format{PACKAGE_FORMAT}"
         f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"
     )
     return cache_root() / "compiled" / key.replace("/", "_")
@@ -126,13 +133,14 @@ class _Step(torch.nn.Module):
         return output.logits, tuple(output.hidden_states)
 
 
-def _example(model: torch.nn.Module, rows: int) -> tuple:
+def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None = None) -> tuple:
     config = model.config
     dtype = next(model.parameters()).dtype
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     stores = [
-        torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)
+        torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=store_dtype or dtype)
+        for _ in range(config.num_hidden_layers)
     ]
     positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows)
     return (
@@ -160,13 +168,17 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
         "key_stores": [{2: Dim.AUTO}] * layers,
         "value_stores": [{2: Dim.AUTO}] * layers,
     }
-    example = _example(model, min(max(low, 6), high))
+    example = _example(model, min(max(low, 6), high), torch.float64 if kind == "q4" else None)  # q4: float64 KV
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
-    # `tree` freezes the weights (packed into the package); `few` reads the model's own (see CompiledStep.load).
-    options = (
-        {"freezing": True} if kind == "tree" else {"freezing": False, "aot_inductor.package_constants_in_so": False}
-    )
+    # `tree` freezes the weights (packed into the package); `few` reads the model's own (CompiledStep.load). `q4`
+    # keeps a copy in the package for the constants its int4 products derive from the weights, and reads the
+    # model's own for the rest (the package's copies of those are never paged in).
+    options = {
+        "tree": {"freezing": True},
+        "few": {"freezing": False, "aot_inductor.package_constants_in_so": False},
+        "q4": {"freezing": False},
+    }[kind]
     try:
         with torch.no_grad(), warnings.catch_warnings():  # Inductor freezes the weights only without autograd
             warnings.simplefilter("ignore")  # PyTorch's own deprecation notices while tracing: not the user's concern
@@ -204,10 +216,17 @@ class CompiledStep:
     """The compiled graphs of one model that its row split uses (`graphs_needed`), built ahead (`build`) or loaded
     from the cache (`load`), and the call that routes an eligible forward to them."""
 
-    def __init__(self, model: torch.nn.Module, model_name: str, log=None, dispatch: RowDispatch | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_name: str,
+        log=None,
+        dispatch: RowDispatch | None = None,
+        four_bit: bool = False,
+    ):
         """dispatch: the fast path's row split, which decides the graph of a 1-3 token step (`graph_for`); without
-        one, such steps take `few`."""
-        self.model, self.model_name, self.dispatch = model, model_name, dispatch
+        one, such steps take `few`. four_bit: the q4 path's step (graph `q4`), `model` being its twin."""
+        self.model, self.model_name, self.dispatch, self.four_bit = model, model_name, dispatch, four_bit
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
         self._directory: Path | None = None
@@ -217,14 +236,16 @@ class CompiledStep:
         """Where this model's packages live (the weights' digest is computed once: a model's weights do not change
         while a path holds it)."""
         if self._directory is None:
-            self._directory = package_dir(self.model, self.model_name)
+            self._directory = package_dir(self.model, self.model_name, self.four_bit)
         return self._directory
 
     def graphs_needed(self) -> tuple[str, ...]:
         """The graphs `graph_for` can send a step to under this row split: `few` only where the stock kernel wins at
         its two rows (a machine where the packed kernel wins from two rows on would compile it for nothing)."""
+        if self.four_bit:
+            return ("q4",)
         uses_few = self.dispatch is None or self.graph_for(1)[0] == "few"
-        return tuple(kind for kind in GRAPHS if kind != "few" or uses_few)
+        return tuple(kind for kind in ("few", "tree") if kind != "few" or uses_few)
 
     def missing(self) -> list[str]:
         """The needed graphs whose packages are not stored yet."""
@@ -256,16 +277,17 @@ class CompiledStep:
             kind: torch._inductor.aoti_load_package(str(self.directory / f"{kind}.pt2"))
             for kind in self.graphs_needed()
         }
-        if "few" in runners:  # compiled without its weights: it reads the model's own parameters, shared, not copied
-            step = _Step(self.model)
-            own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
-            needed = runners["few"].get_constant_fqns()
-            if any(name not in own for name in needed):
+        step = _Step(self.model)
+        own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
+        for kind in set(runners) & set(WEIGHTLESS):  # it reads the model's own weights, not a copy
+            needed = runners[kind].get_constant_fqns()
+            derived = [name for name in needed if name not in own and kind == "q4"]  # in q4's package (above)
+            if any(name not in own for name in needed if name not in derived):
                 raise SelfspecError(
                     f"the compiled step in {self.directory} expects weights this model does not have: delete it"
                 )
-            runners["few"].load_constants(
-                {name: own[name] for name in needed}, check_full_update=True, user_managed=True
+            runners[kind].load_constants(
+                {name: own[name] for name in needed if name in own}, check_full_update=not derived, user_managed=True
             )
         self.runners = runners
 
@@ -304,6 +326,8 @@ class CompiledStep:
         """(graph, rows it runs) for a step of n new tokens: 4+ run in `tree` as they are; 1-3 run in `few`, padded
         to at least its two rows, where the stock kernel beats the packed one at that many rows here, else in
         `tree`, padded to its four."""
+        if self.four_bit:
+            return "q4", max(n, GRAPHS["q4"][0])
         smallest_tree = GRAPHS["tree"][0]
         if n >= smallest_tree:
             return "tree", n
@@ -338,7 +362,7 @@ class CompiledStep:
     def __call__(self, input_ids, position_ids, attention_mask, cache: DynamicCache, output_hidden_states: bool):
         """One step through the compiled graphs; the cache's in-place layers take the new positions."""
         n, cached = input_ids.shape[1], cache.layers[0].length
-        dtype = cache.layers[0].storage[0].dtype
+        dtype = next(self.model.parameters()).dtype  # the mask's (the q4 path's KV storage is float64)
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
         if attention_mask is None:  # a chain: causal among the new tokens

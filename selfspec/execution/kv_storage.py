@@ -19,8 +19,10 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace):
     writes its positions in place, and `keys`/`values` are views of the filled prefix [0, length). Compaction
     (`keep`) and trimming (`truncate`) move or drop positions inside that storage."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, store_dtype: torch.dtype | None = None, **kwargs):
+        """store_dtype: the storage's dtype (None: the keys' own; the q4 path keeps float64, see attention.py)."""
         super().__init__(**kwargs)
+        self.store_dtype = store_dtype
         self._key_store: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
         self._value_store: torch.Tensor | None = None
         self.length = 0  # positions filled
@@ -43,8 +45,9 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace):
         if needed <= capacity:
             return
         capacity = max(MIN_CAPACITY, 2 * needed)
-        key_store = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
-        value_store = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
+        dtype = self.store_dtype or key_states.dtype
+        key_store = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1], dtype=dtype)
+        value_store = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1], dtype=dtype)
         if self.length:
             key_store[..., : self.length, :] = self.keys
             value_store[..., : self.length, :] = self.values
@@ -115,8 +118,10 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace):
 
 class InPlaceCache(DynamicCache):
     """The dynamic cache transformers builds for a config, its full-attention layers written in place (InPlaceLayer);
-    other layers (sliding windows) as transformers makes them."""
+    other layers (sliding windows) as transformers makes them. store_dtype: the in-place layers' storage dtype (None:
+    the keys' own)."""
 
-    def __init__(self, config):
+    def __init__(self, config, store_dtype: torch.dtype | None = None):
         stock = DynamicCache(config=config).layers
-        Cache.__init__(self, layers=[InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in stock])
+        layers = [InPlaceLayer(store_dtype) if type(layer) is DynamicLayer else layer for layer in stock]
+        Cache.__init__(self, layers=layers)

@@ -7,8 +7,8 @@ linear layers are packed ones (linears.py, their row split calibrated once per m
 `sdpa` attention is the grouped-head SDPA (attention.py, set through `set_attn_implementation`); `new_cache` gives the
 KV cache written in place (kv_storage.py). On `compiled`, `forward` sends the decoding steps to the compiled graphs
 (compiled.py) and anything else (prefill) to the twin. On `q4` (a model loaded with 4-bit linears, q4.py), the twin
-keeps those linears, takes the grouped SDPA and the in-place cache as `fast` does, and multiplies the LM head in
-bfloat16 (`BFloat16Head`), so that every product of a step is row-invariant.
+keeps those linears, multiplies the LM head in bfloat16 (`BFloat16Head`) and runs attention in float64 over a
+float64 in-place cache (attention.py), so that each row of a tree computes what a one-token step computes.
 
 The path is settled by `prepare()` (the first `forward` or `active()`, or anything that keys on `name` first): under
 `auto`, where the compiled graphs are not stored, it is `fast`, with the build `pending`; `start_build()` starts it in
@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import SelfspecError, first_line
-from .attention import GROUPED_SDPA
+from .attention import FLOAT64_SDPA, GROUPED_SDPA
 from .background import BackgroundBuild
 from .calibration import calibrate
 from .capabilities import CpuCapabilities, detect_capabilities
@@ -54,7 +54,9 @@ class ExecutionPath:
     ):
         """capabilities: this machine's unless given (tests pass in other machines'). source: the model as
         `load_target` takes it, for a background build of the compiled graphs (None: no background build)."""
-        self.compile_mode = compile_mode() if path == "auto" else "wait"  # a path named is a path waited for
+        # a path named is a path waited for; q4's graphs are built in the background as auto's are (its eager step
+        # already beats the float32 paths)
+        self.compile_mode = compile_mode() if path in ("auto", "q4") else "wait"
         choice = select_path(
             path, model_traits(model), capabilities or detect_capabilities(), self.compile_mode != "off"
         )
@@ -62,7 +64,13 @@ class ExecutionPath:
         self.requested = path
         self.name, self.note = choice.name, choice.note
         self.dispatch = RowDispatch()  # calibrated when the twin is built, before any step runs
-        self.compiled = CompiledStep(model, model_name, dispatch=self.dispatch) if self.name == "compiled" else None
+        self.four_bit = self.name.startswith("q4")  # a model loaded with 4-bit linears (q4.py)
+        self.eager_name, self.compiled_name = ("q4", "q4-compiled") if self.four_bit else ("fast", "compiled")
+        self.compiled = (
+            CompiledStep(model, model_name, dispatch=self.dispatch, four_bit=self.four_bit)
+            if self.name == self.compiled_name
+            else None
+        )
         self.pending: CompiledStep | None = None  # under `auto`: graphs not stored yet, the fast path runs meanwhile
         self.build: BackgroundBuild | None = None
         self._twin: torch.nn.Module | None = None  # fast and compiled: the model's twin with packed linear layers
@@ -80,11 +88,14 @@ class ExecutionPath:
     def _build_twin(self) -> torch.nn.Module:
         twin = sharing_copy(self.model)
         attention = twin.config._attn_implementation  # transformers gives no public reader
-        if attention == "sdpa":
-            twin.set_attn_implementation(GROUPED_SDPA)
-        if self.name == "q4":  # its linears are 4-bit already; the LM head runs in bfloat16
+        if self.four_bit:  # its linears are 4-bit already; the LM head runs in bfloat16, attention in float64
+            twin.set_attn_implementation(FLOAT64_SDPA)
             twin.set_output_embeddings(BFloat16Head(twin.get_output_embeddings()))
+            if self.compiled is not None:
+                self.compiled.model = twin  # the q4 graph is traced from, and reads its weights from, the twin
         else:
+            if attention == "sdpa":
+                twin.set_attn_implementation(GROUPED_SDPA)
             calibrate(self.dispatch, pack_linears(twin, self.dispatch), remeasure=self.recalibrate)
         return twin
 
@@ -142,7 +153,7 @@ class ExecutionPath:
         self.row_split()
         if self.compiled is not None and self.compile_mode == "background" and self.compiled.missing():
             self.pending, self.compiled = self.compiled, None
-            self.name, self.note = "fast", "compiled graphs not stored yet"
+            self.name, self.note = self.eager_name, "compiled graphs not stored yet"
         elif self.compiled is not None:
             self._load_compiled()
         self._settle_forward()
@@ -158,7 +169,7 @@ class ExecutionPath:
             return ""
         if self.build is None:
             self.build = BackgroundBuild(self.pending.directory)
-        return self.build.start(self.source, torch.get_num_threads())
+        return self.build.start(self.source, torch.get_num_threads(), "q4" if self.four_bit else "compiled")
 
     def switch_if_ready(self) -> bool:
         """Take the compiled path if its pending graphs are stored now (a background build finished). Never inside
@@ -172,7 +183,7 @@ class ExecutionPath:
             print(f"[selfspec] {self.note}: the fast path runs", file=sys.stderr, flush=True)
             return False
         self.compiled, self.pending = self.pending, None
-        self.name, self.note = "compiled", ""
+        self.name, self.note = self.compiled_name, ""
         self._settle_forward()
         return True
 
@@ -200,13 +211,15 @@ class ExecutionPath:
             reason = first_line(error)[:200]
             if self.requested == "compiled":
                 raise SelfspecError(f"--path compiled: compiling the step failed ({reason}); use --path fast") from None
-            print(f"[selfspec] no compiled step ({reason}): the fast path runs", file=sys.stderr, flush=True)
-            self.name, self.note, self.compiled = "fast", f"no compiled step: {reason}", None
+            print(
+                f"[selfspec] no compiled step ({reason}): the {self.eager_name} path runs", file=sys.stderr, flush=True
+            )
+            self.name, self.note, self.compiled = self.eager_name, f"no compiled step: {reason}", None
 
     def pack(self, module: torch.nn.Module) -> bool:
         """For a drafter's own frozen, inference-only modules (its heads): on `fast` and `compiled`, every nn.Linear
         inside is replaced for good by a packed one, as in the target's twin. Returns whether it packed."""
-        if self.name in ("stock", "q4"):
+        if self.name == "stock" or self.four_bit:
             return False
         pack_linears(module, self.dispatch, share_inputs=False)
         return True
@@ -216,4 +229,4 @@ class ExecutionPath:
         (kv_storage.InPlaceCache)."""
         if self.name == "stock":
             return DynamicCache(config=self.model.config)
-        return InPlaceCache(self.model.config)
+        return InPlaceCache(self.model.config, torch.float64 if self.four_bit else None)

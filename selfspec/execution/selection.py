@@ -64,7 +64,7 @@ def model_traits(model: torch.nn.Module) -> ModelTraits:
 
 @dataclass(frozen=True)
 class PathChoice:
-    name: str  # "stock", "fast", "compiled" or "q4"
+    name: str  # "stock", "fast", "compiled", "q4" or "q4-compiled"
     note: str = ""  # under `auto`, why a faster path does not run here ("" when none is missing)
 
 
@@ -99,7 +99,7 @@ def select_path(path: str, model: ModelTraits, cpu: CpuCapabilities, auto_compil
     if path not in PATH_CHOICES:
         raise SelfspecError(f"the execution path must be one of {', '.join(PATH_CHOICES)}, got '{path}'")
     if model.four_bit or path == "q4":
-        return _four_bit_choice(path, model)
+        return _four_bit_choice(path, model, cpu, auto_compiles)
     available, reason = fast_path_available(model.device_type, model.dtype, cpu)
     if path in ("fast", "compiled") and not available:
         raise SelfspecError(f"--path {path}: {reason}; use --path stock or auto")
@@ -119,9 +119,10 @@ def select_path(path: str, model: ModelTraits, cpu: CpuCapabilities, auto_compil
     return PathChoice("compiled") if compiles else PathChoice("fast", f"no compiled step: {why_not}")
 
 
-def _four_bit_choice(path: str, model: ModelTraits) -> PathChoice:
+def _four_bit_choice(path: str, model: ModelTraits, cpu: CpuCapabilities, auto_compiles: bool) -> PathChoice:
     """A model loaded with 4-bit linears runs on `q4` (under `q4` or `auto`) or as it is (`stock`), not on the paths
-    that pack float32 weights; `q4` needs such a model."""
+    that pack float32 weights; `q4` needs such a model. Its steps compiled (`q4-compiled`, built in the background as
+    the float32 graphs are) where AOTInductor can build them and $SELFSPEC_COMPILE is not 0."""
     if not model.four_bit:
         raise SelfspecError(
             "--path q4 runs a GGUF file's 4-bit blocks: load the model with --path q4 from a .gguf file (or 'default')"
@@ -135,4 +136,7 @@ def _four_bit_choice(path: str, model: ModelTraits) -> PathChoice:
         )
     if model.device_type != "cpu" or not four_bit_kernel_available():
         raise SelfspecError("--path q4 needs PyTorch's int4 CPU kernel on a CPU: use --path auto")
-    return PathChoice("q4")
+    compiles, why_not = compile_support(cpu, model)
+    if compiles and not auto_compiles:
+        compiles, why_not = False, f"${COMPILE_ENV}=0"
+    return PathChoice("q4-compiled") if compiles else PathChoice("q4", f"no compiled step: {why_not}")
