@@ -45,6 +45,7 @@ from ..files import cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
 from .kv_storage import InPlaceLayer
 from .linears import RowDispatch
+from .q4 import GROUP
 
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
 # graph -> the rows it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others float32's
@@ -171,14 +172,11 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
     example = _example(model, min(max(low, 6), high), torch.float64 if kind == "q4" else None)  # q4: float64 KV
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
-    # `tree` freezes the weights (packed into the package); `few` reads the model's own (CompiledStep.load). `q4`
-    # keeps a copy in the package for the constants its int4 products derive from the weights, and reads the
-    # model's own for the rest (the package's copies of those are never paged in).
-    options = {
-        "tree": {"freezing": True},
-        "few": {"freezing": False, "aot_inductor.package_constants_in_so": False},
-        "q4": {"freezing": False},
-    }[kind]
+    # `tree` freezes the weights (packed into the package); `few` and `q4` read the model's own (CompiledStep.load):
+    # a package holding them would add their size twice to the process (copied out, and the library's pages).
+    options = (
+        {"freezing": True} if kind == "tree" else {"freezing": False, "aot_inductor.package_constants_in_so": False}
+    )
     try:
         with torch.no_grad(), warnings.catch_warnings():  # Inductor freezes the weights only without autograd
             warnings.simplefilter("ignore")  # PyTorch's own deprecation notices while tracing: not the user's concern
@@ -281,13 +279,14 @@ class CompiledStep:
         own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
         for kind in set(runners) & set(WEIGHTLESS):  # it reads the model's own weights, not a copy
             needed = runners[kind].get_constant_fqns()
-            derived = [name for name in needed if name not in own and kind == "q4"]  # in q4's package (above)
-            if any(name not in own for name in needed if name not in derived):
+            if kind == "q4":  # Inductor passes each int4 product its group size as a tensor constant of its own
+                own |= {name: torch.tensor(GROUP) for name in needed if name not in own and name.startswith("constant")}
+            if any(name not in own for name in needed):
                 raise SelfspecError(
                     f"the compiled step in {self.directory} expects weights this model does not have: delete it"
                 )
             runners[kind].load_constants(
-                {name: own[name] for name in needed if name in own}, check_full_update=not derived, user_managed=True
+                {name: own[name] for name in needed}, check_full_update=True, user_managed=True
             )
         self.runners = runners
 
