@@ -47,7 +47,7 @@ def alone(target, make, prompt, max_new_tokens, sampling=SamplingConfig(), seed=
     return tokens
 
 
-@pytest.mark.parametrize("path", ["stock", "fast"])
+@pytest.mark.parametrize("path", ["stock", "fast", "q4"])
 @pytest.mark.parametrize("name", ["none", "ngram", "eagle", "medusa"])
 def test_greedy_requests_in_a_batch_equal_each_alone(name, path, tmp_path):
     target = without_eos(make_tiny_target("llama", path=path))

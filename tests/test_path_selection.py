@@ -70,7 +70,7 @@ def test_a_path_asked_for_by_name_runs_or_says_why_not():
         select_path("compiled", BIG, replace(EPYC, cxx_compiler=False))
     with pytest.raises(SelfspecError, match="--path compiled: the compiled step covers full-attention caches only"):
         select_path("compiled", replace(BIG, full_attention_only=False), EPYC)
-    with pytest.raises(SelfspecError, match="execution path must be one of auto, stock, fast, compiled, q4, got .turbo."):
+    with pytest.raises(SelfspecError, match="must be one of auto, stock, fast, compiled, q4, got .turbo."):
         select_path("turbo", BIG, EPYC)
 
 

@@ -185,3 +185,11 @@ def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q
     assert torch.equal(logits([8]), one_by_one) and torch.equal(logits([3, 5]), one_by_one)
     assert default_q4.config._attn_implementation == "sdpa"
     assert execution.runner.config._attn_implementation == FLOAT64_SDPA
+
+
+def test_serve_refuses_q4_before_loading_anything():
+    done = subprocess.run(
+        [sys.executable, "-m", "selfspec.cli", "serve", "--path", "q4", "--port", "0"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "serve's batch engine runs eager steps" in done.stderr

@@ -105,6 +105,11 @@ def _serve(args) -> None:
         raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")
     if not 1 <= args.slots <= 64:
         raise SelfspecError(f"--slots must be between 1 and 64, got {args.slots}")
+    if args.path == "q4":  # its batch steps would run eager, whose roundings differ from q4's compiled step
+        raise SelfspecError(
+            "--path q4: serve's batch engine runs eager steps, and the q4 path's eager and compiled steps round "
+            "differently, so replies would not match `generate --path q4`; serve the float32 paths (--path auto)"
+        )
     sock = listen(args.host, args.port)
     try:
         spec = _load_spec(args, needs_text="the server")
@@ -139,7 +144,7 @@ def _profile_paths(target, args) -> dict:
     target.execution.prepare()
     paths = {"stock": ExecutionPath(target.model, "stock")}
     if target.execution.name == "q4":  # its model holds no float32 linears to pack
-        return paths | {"q4": target.execution}
+        return paths | {target.execution.name: target.execution}
     if has_fast and target.execution.name == "fast":
         paths["fast"] = target.execution
     elif has_fast:
