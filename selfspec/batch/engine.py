@@ -30,11 +30,26 @@ from ..cost import CostCurve
 from ..decoding import GenerationStats, validate_request
 from ..errors import SelfspecError
 from ..heads.base import Drafter, DraftRequest, Observation
-from ..heads.paced import paced
+from ..heads.lookup import HistoryDrafter
+from ..heads.paced import Paced, paced
+from ..memory import release_freed_memory
 from ..models import Target
 from ..sampling import SamplingConfig, StepDraws
 from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
 from .cache import RaggedCache
+
+# The row counts the target's forwards take come from a few sizes, not from every prompt length and tree size: the fast
+# path's linears run oneDNN kernels compiled for each row count and kept in caches of 256 entries (selfspec/memory.py),
+# and a server meeting every row count up to hundreds keeps churning them, its resident size swinging by tens of MB
+# with whichever it met last. Padding is lossless: a padding node sees only itself, padded prompt positions come after
+# the real ones (causal) and are dropped, and neither's logits are read.
+PREFILL_CHUNK = 128  # prompt positions a prefill forward takes at most (BatchEngine._prefill)
+PREFILL_STEP = 16  # a prefill's last chunk is padded to a multiple of this
+
+
+def padded_width(nodes: int) -> int:
+    """The width a step's rows are padded to for a widest tree of `nodes`: 1, 2, 4, 8, then multiples of 8."""
+    return 1 << (nodes - 1).bit_length() if nodes <= 8 else -(-nodes // 8) * 8
 
 
 @dataclass
@@ -110,15 +125,20 @@ class BatchEngine:
         with torch.inference_mode(), self.target.execution.active():
             finished = self._drop_cancelled()
             self._admit()
-            if not self.running:
-                return finished
-            self._price_trees()
-            trees = [self._propose(running) for running in self.running]
-            logits, hidden = self._forward(trees)
-            for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
-                self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
-            self.rows_per_step[len(trees)] += 1
-            return finished + self._drop_done()
+            if self.running:
+                self._price_trees()
+                trees = [self._propose(running) for running in self.running]
+                logits, hidden = self._forward(trees)
+                for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
+                    self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
+                self.rows_per_step[len(trees)] += 1
+                del logits, hidden
+                finished += self._drop_done()
+        if finished:
+            # What the finished requests freed (their prefills, activations, logits, cache storage) goes back to the
+            # system, as SelfSpec.generate does after each request: a server otherwise creeps up (memory.py).
+            release_freed_memory()
+        return finished
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished; their results in the order they finished."""
@@ -135,6 +155,9 @@ class BatchEngine:
             drafter = self.make_drafter()
             if drafter.target.model is not self.target.model:
                 raise SelfspecError(f"drafter '{drafter.name}' drafts for another model than the engine's target")
+            first = next((built for built in self.drafters if built is not None), None)
+            if first is not None:
+                share_histories(first, drafter)
             self.drafters[slot] = paced(drafter)
             self.own_curves[slot] = drafter.cost_curve
         return self.drafters[slot]
@@ -148,15 +171,7 @@ class BatchEngine:
             drafter = self.slot_drafter(slot)
             started = time.perf_counter()
             committed = list(request.input_ids)
-            prefix = torch.tensor([committed[:-1]], device=self.target.device)
-            keys = values = None
-            hidden: dict[int, torch.Tensor] = {}
-            if len(committed) > 1:
-                cache = self.target.new_cache()
-                prefill = chunk_forward(self.target.forward, cache, prefix, drafter.hidden_layers)
-                keys = [layer.keys for layer in cache.layers]
-                values = [layer.values for layer in cache.layers]
-                hidden = prefill.hidden
+            keys, values, hidden = self._prefill(committed[:-1], drafter.hidden_layers)
             self.cache.add_row(keys, values, len(committed) - 1)
             drafter.reset()
             drafter.observe(Observation(tuple(committed), hidden))
@@ -164,6 +179,27 @@ class BatchEngine:
             running = _Running(request, slot, committed, generator, started, time.perf_counter() - started)
             running.drafter_before = drafter.stats()
             self.running.append(running)
+
+    def _prefill(self, prefix: list[int], hidden_layers: tuple[int, ...]):
+        """The prefix's keys and values (one [1, kv_heads, >= length, head_dim] a layer, padded positions past its
+        length; None for an empty prefix) and the drafter's hidden layers over it ({layer: [length, hidden]}),
+        forwarded PREFILL_CHUNK positions at a time, the last chunk padded to a multiple of PREFILL_STEP: the kernels
+        a long prompt would otherwise compile for its length (one set per row count, larger for more rows: ~24 MB for
+        a few prompts of 1,400 tokens on SmolLM2-135M) and its logits (1,400 x the vocabulary) stay a chunk's."""
+        if not prefix:
+            return None, None, {}
+        cache = self.target.new_cache()
+        length = len(prefix)
+        padded = min(-(-length // PREFILL_STEP) * PREFILL_STEP, self.target.context_limit)
+        ids = torch.tensor([prefix + [prefix[-1]] * (padded - length)], device=self.target.device)
+        parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
+        for start in range(0, padded, PREFILL_CHUNK):
+            output = chunk_forward(self.target.forward, cache, ids[:, start : start + PREFILL_CHUNK], hidden_layers)
+            for layer, states in output.hidden.items():
+                parts[layer].append(states[: length - start])  # the real positions
+            del output
+        hidden = {layer: states[0] if len(states) == 1 else torch.cat(states) for layer, states in parts.items()}
+        return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], hidden
 
     def _price_trees(self) -> None:
         """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree, so
@@ -187,7 +223,7 @@ class BatchEngine:
     def _forward(self, trees: list[DraftTree]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One target forward over every row's tree -> logits [rows, widest, V] and the drafters' hidden layers."""
         device, dtype = self.target.device, self.target.dtype
-        rows, widest = len(trees), max(tree.size for tree in trees)
+        rows, widest = len(trees), padded_width(max(tree.size for tree in trees))
         lengths = self.cache.lengths
         width = max(lengths) + widest
         lowest = torch.finfo(dtype).min
@@ -283,9 +319,27 @@ class BatchEngine:
             path=self.target.execution.name,
         )
         by_source = drafter.stats().accepted_since(running.drafter_before)
+        drafter.reset()  # the request's own state (its context, a head's cache over it) is not kept while it idles
         return Finished(
             running.request, tuple(running.new_tokens), stats, running.started, drafter.describe(), by_source
         )
+
+
+def share_histories(first: Drafter, drafter: Drafter) -> None:
+    """`drafter`'s `history` sources (itself, or auto's) draft from and add to `first`'s: the slots keep one history of
+    the requests the engine served, capped once (HistoryOptions.max_tokens), not one each growing to the cap."""
+    for own, shared in zip(_histories(drafter), _histories(first), strict=False):
+        own.share_history(shared)
+
+
+def _histories(drafter: Drafter) -> list[HistoryDrafter]:
+    found, stack = [], [drafter]
+    while stack:
+        part = stack.pop(0)
+        if isinstance(part, HistoryDrafter):
+            found.append(part)
+        stack += [part.drafter] if isinstance(part, Paced) else list(part.parts())
+    return found
 
 
 @functools.lru_cache(maxsize=256)
