@@ -266,3 +266,37 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_decodes_as_alone(name, tmp_pat
     assert max(rows) == PREFILL_CHUNK and rows.count(PREFILL_CHUNK) == 2
     for request in requests:
         assert done[id(request)].token_ids == alone(target, make, request.input_ids, request.max_new_tokens)
+
+
+def test_a_long_prefill_is_spread_over_the_steps_of_those_decoding(tmp_path):
+    """A request that joins with a long prompt is prefilled a chunk a step while the running one keeps decoding (its
+    steps come between the chunks, not after them all), and both replies are those each gets alone."""
+    from selfspec.batch.engine import PREFILL_CHUNK
+
+    target = without_eos(make_tiny_target("llama", path="fast", max_position_embeddings=1024))
+    make = drafter_factory("ngram", target, tmp_path)
+    engine = BatchEngine(target, make, slots=2)
+    first = BatchRequest(list(PROMPT), 30)
+    engine.submit(first)
+    engine.step()
+    engine.step()  # decoding alone
+    forwards = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        prefill = kwargs.get("attention_mask") is None  # a step passes its tree mask; a prefill chunk is causal
+        forwards.append((tuple((args[0] if args else kwargs["input_ids"]).shape), prefill))
+        return forward(*args, **kwargs)
+
+    target.forward = spy
+    long_prompt = [(5 * k) % 90 + 1 for k in range(3 * PREFILL_CHUNK + 20)]  # a prefix of 3 chunks and 19
+    joining = BatchRequest(long_prompt, 10)
+    engine.submit(joining)
+    done = {id(result.request): result for result in engine.run()}
+    del target.forward
+    chunks = [index for index, (_, prefill) in enumerate(forwards) if prefill]
+    assert [forwards[index][0] for index in chunks] == [(1, PREFILL_CHUNK)] * 3 + [(1, 32)]  # the last 19, padded
+    assert all(not forwards[index + 1][1] for index in chunks[:-1])  # a step of the first one after each chunk
+    assert done[id(first)].token_ids == alone(target, make, first.input_ids, 30)
+    assert done[id(joining)].token_ids == alone(target, make, long_prompt, 10)
+    assert done[id(joining)].stats.new_tokens == 10 and engine.admitted == 0 and not engine.prefilling

@@ -107,7 +107,7 @@ class Scheduler:
     def health(self) -> dict:
         return {
             "queued": self.jobs.qsize() + len(self.engine.waiting),
-            "running": len(self.engine.running),
+            "running": self.engine.admitted,  # decoding, or their prompts being prefilled
             "slots": self.engine.slots,
             **self.counts,
         }
