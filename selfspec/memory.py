@@ -9,6 +9,11 @@
 - Memory freed during a request (activations, logits, the request's KV cache, evicted kernels) stays with the C
   allocator, fragmented, and the resident size creeps up. `release_freed_memory` hands it back to the system
   (glibc's `malloc_trim`; elsewhere nothing), once per request: ~8 ms on the 2-core EPYC.
+- glibc serves a large block from its heap, not from a mapping of its own, once a block that size was freed (its
+  mmap threshold rises with what is freed, up to 32 MB): a server's tensors of a few MB (a step's logits, a row's
+  cache storage) then land among small long-lived blocks, and what it keeps between requests swung by ±25 MB with
+  what ran last (the serve soak, 2026-11-27). `fix_mmap_threshold` pins the threshold, so such blocks are mappings
+  of their own, returned to the system as they are freed; the server sets it (selfspec/serve/scheduler.py).
 """
 
 from __future__ import annotations
@@ -38,3 +43,19 @@ def release_freed_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 512 * 1024  # blocks from this size up are mappings of their own (glibc's default floor: 128 KB)
+
+
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Pin glibc's mmap threshold at `size` bytes for this process (no dynamic rise); False where it cannot be set
+    (not glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, size))

@@ -199,3 +199,104 @@ def test_accepted_nodes_away_from_the_chain_are_moved_in_each_row():
     for request, reply in zip(submitted, expected, strict=True):
         result = done[id(request)]
         assert list(result.token_ids) == reply and result.stats.mean_accepted_length > 2.5
+
+
+def test_what_the_engine_keeps_between_requests_stays_bounded(monkeypatch):
+    """A server's engine runs for days: the slots share one history, capped once; the cache's storage follows the rows
+    in flight (it shrinks when a long request leaves and is freed when the last one does); what finished requests
+    freed goes back to the system after each step that ended one. Greedy replies stay each one's alone."""
+    import selfspec.batch.engine as engine_module
+    from selfspec.batch.cache import MIN_CAPACITY
+
+    trims = []
+    monkeypatch.setattr(engine_module, "release_freed_memory", lambda: trims.append(1) or True)
+    target = without_eos(make_tiny_target("llama", path="fast", max_position_embeddings=1024))
+    make = lambda: create_drafter("auto", target, sources=("ngram", "history"))  # noqa: E731
+    engine = BatchEngine(target, lambda: create_drafter("history", target, max_tokens=64), slots=3)
+    long_prompt = [(3 * k) % 90 + 1 for k in range(600)]
+    requests = [BatchRequest(long_prompt, 8)] + [BatchRequest(list(p), c) for p, c in REQUESTS * 3]
+    for request in requests:
+        engine.submit(request)
+    capacities, finished = [], []
+    while engine.busy:
+        done = engine.step()
+        finished += done
+        capacities.append((engine.cache.capacity, max(engine.cache.lengths, default=0), bool(done)))
+    assert len(finished) == len(requests) and len(trims) == sum(done for *_, done in capacities)
+    assert max(capacity for capacity, *_ in capacities) >= 600  # the long prompt's row
+    after_long = [(capacity, longest) for capacity, longest, _ in capacities[capacities.index(max(capacities)) :]]
+    assert any(capacity == MIN_CAPACITY for capacity, _ in after_long)  # shrunk once it left
+    assert all(capacity <= 3 * max(MIN_CAPACITY, longest) for capacity, longest in after_long[-5:])
+    assert engine.cache.capacity == 0 and engine.cache.layers[0].keys is None  # idle: no storage held
+    histories = {id(drafter.drafter.history) for drafter in engine.drafters}
+    assert len(histories) == 1 and len(engine.drafters[0].drafter.history) <= 64  # one history, capped once
+    alone_make = lambda: create_drafter("none", target)  # noqa: E731
+    for result in finished:
+        request = result.request
+        assert list(result.token_ids) == list(alone(target, alone_make, request.input_ids, request.max_new_tokens))
+    # auto's history source is shared the same way
+    engine = BatchEngine(target, make, slots=2)
+    for prompt, count in REQUESTS[:3]:
+        engine.submit(BatchRequest(list(prompt), count))
+    engine.run()
+    shared = [engine_module._histories(drafter) for drafter in engine.drafters]
+    assert [len(found) for found in shared] == [1, 1] and shared[0][0].history is shared[1][0].history
+
+
+@pytest.mark.parametrize("name", ["none", "eagle"])
+def test_a_long_prompt_is_prefilled_in_chunks_and_decodes_as_alone(name, tmp_path):
+    """A prefill forwards PREFILL_CHUNK positions at a time (its kernels and logits stay a chunk's), its keys, values
+    and the drafter's hidden states those of the whole prompt: the reply is the one the request gets alone."""
+    from selfspec.batch.engine import PREFILL_CHUNK
+
+    target = without_eos(make_tiny_target("llama", path="fast", max_position_embeddings=1024))
+    make = drafter_factory(name, target, tmp_path)
+    prompt = [(7 * k) % 90 + 1 for k in range(2 * PREFILL_CHUNK + 37)]
+    rows = []
+    forward = target.forward
+    target.forward = lambda *args, **kwargs: (
+        rows.append((args[0] if args else kwargs["input_ids"]).shape[1]) or forward(*args, **kwargs)
+    )
+    engine = BatchEngine(target, make, slots=2)
+    requests = [BatchRequest(prompt, 20), BatchRequest(list(PROMPT), 12)]
+    for request in requests:
+        engine.submit(request)
+    done = {id(result.request): result for result in engine.run()}
+    del target.forward
+    assert max(rows) == PREFILL_CHUNK and rows.count(PREFILL_CHUNK) == 2
+    for request in requests:
+        assert done[id(request)].token_ids == alone(target, make, request.input_ids, request.max_new_tokens)
+
+
+def test_a_long_prefill_is_spread_over_the_steps_of_those_decoding(tmp_path):
+    """A request that joins with a long prompt is prefilled a chunk a step while the running one keeps decoding (its
+    steps come between the chunks, not after them all), and both replies are those each gets alone."""
+    from selfspec.batch.engine import PREFILL_CHUNK
+
+    target = without_eos(make_tiny_target("llama", path="fast", max_position_embeddings=1024))
+    make = drafter_factory("ngram", target, tmp_path)
+    engine = BatchEngine(target, make, slots=2)
+    first = BatchRequest(list(PROMPT), 30)
+    engine.submit(first)
+    engine.step()
+    engine.step()  # decoding alone
+    forwards = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        prefill = kwargs.get("attention_mask") is None  # a step passes its tree mask; a prefill chunk is causal
+        forwards.append((tuple((args[0] if args else kwargs["input_ids"]).shape), prefill))
+        return forward(*args, **kwargs)
+
+    target.forward = spy
+    long_prompt = [(5 * k) % 90 + 1 for k in range(3 * PREFILL_CHUNK + 20)]  # a prefix of 3 chunks and 19
+    joining = BatchRequest(long_prompt, 10)
+    engine.submit(joining)
+    done = {id(result.request): result for result in engine.run()}
+    del target.forward
+    chunks = [index for index, (_, prefill) in enumerate(forwards) if prefill]
+    assert [forwards[index][0] for index in chunks] == [(1, PREFILL_CHUNK)] * 3 + [(1, 32)]  # the last 19, padded
+    assert all(not forwards[index + 1][1] for index in chunks[:-1])  # a step of the first one after each chunk
+    assert done[id(first)].token_ids == alone(target, make, first.input_ids, 30)
+    assert done[id(joining)].token_ids == alone(target, make, long_prompt, 10)
+    assert done[id(joining)].stats.new_tokens == 10 and engine.admitted == 0 and not engine.prefilling

@@ -6,6 +6,11 @@ mask the engine builds tells each row's queries which positions are theirs. Afte
 accepted nodes next to its prefix, as the single-request cache does (tree_attention.compact_cache). Rows are kept
 contiguous from 0: a request that leaves gives its row to the last one (`drop_row`), so a step runs over the first
 `rows` rows of the storage, a view, never a copy.
+
+Storage follows the rows in flight, not the longest ever seen: every row has the capacity of the longest, so one long
+prompt would otherwise keep slots x its length reserved (46 KB a position and row on SmolLM2-135M) for the life of a
+server. It grows by half again what is needed, shrinks to that when a row leaves and the rest need under half of it,
+and is freed when the last row leaves.
 """
 
 from __future__ import annotations
@@ -13,7 +18,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-MIN_CAPACITY = 256  # positions reserved per row at first; storage doubles past what is needed
+MIN_CAPACITY = 256  # positions reserved per row at least; storage grows to 1.5x what is needed (`_capacity`)
+
+
+def _capacity(needed: int) -> int:
+    return max(MIN_CAPACITY, needed + needed // 2)
 
 
 class RaggedLayer(DynamicLayer):
@@ -31,7 +40,7 @@ class RaggedLayer(DynamicLayer):
             return
         kv_heads, head_dim = like.shape[1], like.shape[3]
         old = self.store
-        capacity = max(MIN_CAPACITY, 2 * needed, 0 if old is None else old[0].shape[2])
+        capacity = max(_capacity(needed), 0 if old is None else old[0].shape[2])
         rows_reserved = max(rows, 0 if old is None else old[0].shape[0])
         self.store = tuple(like.new_zeros(rows_reserved, kv_heads, capacity, head_dim) for _ in range(2))
         if old is not None:
@@ -70,6 +79,23 @@ class RaggedLayer(DynamicLayer):
         for store in self.store or ():
             store[destination, :, :length] = store[source, :, :length]
 
+    @property
+    def capacity(self) -> int:
+        """Positions reserved per row (0: no storage)."""
+        return 0 if self.store is None else self.store[0].shape[2]
+
+    def fit(self, rows: int, longest: int) -> None:
+        """After a row left: keep storage for `rows` rows of `longest` positions, giving back what is far above that
+        (none at all for no rows)."""
+        if rows == 0:
+            self.store, self.keys, self.values = None, None, None
+            return
+        if self.store is None or self.capacity <= 2 * _capacity(longest):
+            return
+        capacity = _capacity(longest)
+        self.store = tuple(store[:, :, :capacity].clone() for store in self.store)
+        self.keys = self.values = None  # views of the old storage; the next update sets them
+
 
 class RaggedCache(Cache):
     """The layers of one model, every one a RaggedLayer over the same row lengths."""
@@ -83,8 +109,8 @@ class RaggedCache(Cache):
         return len(self.lengths)
 
     def add_row(self, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None, length: int) -> int:
-        """A new last row holding `length` positions: each layer's keys and values [1, kv_heads, length, head_dim]
-        (None for an empty prefix) -> its index."""
+        """A new last row holding `length` positions: each layer's keys and values [1, kv_heads, >= length, head_dim]
+        (positions past `length` are left out; None for an empty prefix) -> its index."""
         row = len(self.lengths)
         self.lengths.append(length)
         if length:
@@ -110,4 +136,12 @@ class RaggedCache(Cache):
                 layer.move(last, row, self.lengths[last])
             self.lengths[row] = self.lengths[last]
         self.lengths.pop()
+        longest = max(self.lengths, default=0)
+        for layer in self.layers:
+            layer.fit(len(self.lengths), longest)
         return last if row != last else None
+
+    @property
+    def capacity(self) -> int:
+        """Positions reserved per row (0: no storage)."""
+        return self.layers[0].capacity

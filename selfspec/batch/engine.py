@@ -3,10 +3,13 @@
 The loop of decoding.py, per request, with the target forward shared: each request has a slot (its own drafter, kept
 across the requests the slot serves, as `SelfSpec` keeps its one), a row of the ragged KV cache (cache.py), its own
 sampling settings, seed and stop tokens. A step
-1. admits waiting requests into free slots (their prompts prefilled one by one, then loaded into cache rows),
+1. admits waiting requests into free slots and prefills them, PREFILL_CHUNK prompt positions a step in all (more
+   only while nothing decodes), so a long prompt's prefill is spread over the steps of those decoding instead of
+   stalling them; a prompt whose prefill is complete is loaded into a cache row and decodes in this same step,
 2. asks every active request's drafter for a tree within that request's budget,
-3. runs one forward over all trees: input [rows, widest tree], each row's nodes at its own positions, and a mask by
-   which a row's nodes see that row's prefix and their own ancestors only (a row's padding nodes see themselves),
+3. runs one forward over all trees: input [rows, widest tree padded to a few widths (`padded_width`)], each row's
+   nodes at its own positions, and a mask by which a row's nodes see that row's prefix and their own ancestors only
+   (a row's padding nodes see themselves),
 4. verifies each row with its own logits, exactly as a request alone is verified (the same StepDraws by seed and
    output position), keeps each row's accepted path in its cache row, and lets each drafter observe its result,
 5. hands finished requests back (EOS, max_new_tokens, the context, or cancelled) and frees their rows.
@@ -30,11 +33,26 @@ from ..cost import CostCurve
 from ..decoding import GenerationStats, validate_request
 from ..errors import SelfspecError
 from ..heads.base import Drafter, DraftRequest, Observation
-from ..heads.paced import paced
+from ..heads.lookup import HistoryDrafter
+from ..heads.paced import Paced, paced
+from ..memory import release_freed_memory
 from ..models import Target
 from ..sampling import SamplingConfig, StepDraws
 from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
 from .cache import RaggedCache
+
+# The row counts the target's forwards take come from a few sizes, not from every prompt length and tree size: the fast
+# path's linears run oneDNN kernels compiled for each row count and kept in caches of 256 entries (selfspec/memory.py),
+# and a server meeting every row count up to hundreds keeps churning them, its resident size swinging by tens of MB
+# with whichever it met last. Padding is lossless: a padding node sees only itself, padded prompt positions come after
+# the real ones (causal) and are dropped, and neither's logits are read.
+PREFILL_CHUNK = 128  # prompt positions a prefill forward takes at most (BatchEngine._prefill)
+PREFILL_STEP = 16  # a prefill's last chunk is padded to a multiple of this
+
+
+def padded_width(nodes: int) -> int:
+    """The width a step's rows are padded to for a widest tree of `nodes`: 1, 2, 4, 8, then multiples of 8."""
+    return 1 << (nodes - 1).bit_length() if nodes <= 8 else -(-nodes // 8) * 8
 
 
 @dataclass
@@ -59,6 +77,18 @@ class Finished:
     admitted: float = 0.0  # time.perf_counter() when its prefill began (0.0: cancelled while it waited)
     drafter: str = ""  # the slot's drafter, described
     accepted_by_source: dict | None = None  # auto's sources: the tokens of each this request accepted
+
+
+@dataclass
+class _Prefill:
+    """A request admitted to a slot whose prompt is being prefilled, a chunk at a time (BatchEngine._advance)."""
+
+    request: BatchRequest
+    slot: int
+    started: float
+    cache: object = None  # the target's own cache over the prompt so far
+    done: int = 0  # prompt positions forwarded (padding included)
+    parts: dict = field(default_factory=dict)  # hidden layer -> the real positions' states, chunk by chunk
 
 
 @dataclass
@@ -92,6 +122,7 @@ class BatchEngine:
         self.drafters: list[Drafter | None] = [None] * slots
         self.own_curves: list[CostCurve | None] = [None] * slots  # each slot drafter's curve for one request
         self.waiting: deque[BatchRequest] = deque()
+        self.prefilling: list[_Prefill] = []  # admitted, their prompts not yet all forwarded (oldest first)
         self.running: list[_Running] = []  # row i of the cache is running[i]
         self.cache = RaggedCache(target.num_layers)
         self.rows_per_step: Counter[int] = Counter()  # requests verified together -> steps that did (bounded: slots)
@@ -103,22 +134,33 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def admitted(self) -> int:
+        """Requests holding a slot: decoding, or their prompts being prefilled."""
+        return len(self.running) + len(self.prefilling)
 
     def step(self) -> list[Finished]:
         """Admit what fits, run one shared verification step, return the requests that finished in it."""
         with torch.inference_mode(), self.target.execution.active():
             finished = self._drop_cancelled()
             self._admit()
-            if not self.running:
-                return finished
-            self._price_trees()
-            trees = [self._propose(running) for running in self.running]
-            logits, hidden = self._forward(trees)
-            for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
-                self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
-            self.rows_per_step[len(trees)] += 1
-            return finished + self._drop_done()
+            self._prefill_some()
+            if self.running:
+                self._price_trees()
+                trees = [self._propose(running) for running in self.running]
+                logits, hidden = self._forward(trees)
+                for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
+                    self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
+                self.rows_per_step[len(trees)] += 1
+                del logits, hidden
+                finished += self._drop_done()
+        if finished:
+            # What the finished requests freed (their prefills, activations, logits, cache storage) goes back to the
+            # system, as SelfSpec.generate does after each request: a server otherwise creeps up (memory.py).
+            release_freed_memory()
+        return finished
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished; their results in the order they finished."""
@@ -135,35 +177,72 @@ class BatchEngine:
             drafter = self.make_drafter()
             if drafter.target.model is not self.target.model:
                 raise SelfspecError(f"drafter '{drafter.name}' drafts for another model than the engine's target")
+            first = next((built for built in self.drafters if built is not None), None)
+            if first is not None:
+                share_histories(first, drafter)
             self.drafters[slot] = paced(drafter)
             self.own_curves[slot] = drafter.cost_curve
         return self.drafters[slot]
 
     def _admit(self) -> None:
-        busy = {running.slot for running in self.running}
-        while self.waiting and len(self.running) < self.slots:
-            request = self.waiting.popleft()
+        busy = {running.slot for running in self.running} | {prefill.slot for prefill in self.prefilling}
+        while self.waiting and self.admitted < self.slots:
             slot = next(index for index in range(self.slots) if index not in busy)
             busy.add(slot)
-            drafter = self.slot_drafter(slot)
-            started = time.perf_counter()
-            committed = list(request.input_ids)
-            prefix = torch.tensor([committed[:-1]], device=self.target.device)
-            keys = values = None
-            hidden: dict[int, torch.Tensor] = {}
-            if len(committed) > 1:
-                cache = self.target.new_cache()
-                prefill = chunk_forward(self.target.forward, cache, prefix, drafter.hidden_layers)
-                keys = [layer.keys for layer in cache.layers]
-                values = [layer.values for layer in cache.layers]
-                hidden = prefill.hidden
-            self.cache.add_row(keys, values, len(committed) - 1)
-            drafter.reset()
-            drafter.observe(Observation(tuple(committed), hidden))
-            generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-            running = _Running(request, slot, committed, generator, started, time.perf_counter() - started)
-            running.drafter_before = drafter.stats()
-            self.running.append(running)
+            self.slot_drafter(slot)
+            self.prefilling.append(_Prefill(self.waiting.popleft(), slot, time.perf_counter()))
+
+    def _prefill_some(self) -> None:
+        """Forward PREFILL_CHUNK prompt positions of the admitted requests, oldest first (as many as it takes to have
+        one decoding while none is), and start decoding those whose prompts are done."""
+        budget = PREFILL_CHUNK
+        while self.prefilling and (budget > 0 or not self.running):
+            prefill = self.prefilling[0]
+            budget -= self._advance(prefill)
+            if prefill.done >= _padded_prefix(prefill.request, self.target.context_limit):
+                self.prefilling.pop(0)
+                self._start(prefill)
+
+    def _advance(self, prefill: _Prefill) -> int:
+        """Forward the next chunk of `prefill`'s prompt (its last position excepted: the first step's root) -> the
+        positions forwarded. Chunks are PREFILL_CHUNK positions, the last padded to a multiple of PREFILL_STEP: the
+        kernels a long prompt would otherwise compile for its length (one set per row count, larger for more rows:
+        ~24 MB for a few prompts of 1,400 tokens on SmolLM2-135M) and its logits (1,400 x the vocabulary) stay a
+        chunk's. Padded positions come after the real ones (causal: they change nothing before them) and are left
+        out of the cache row and the drafter's hidden states."""
+        prefix = prefill.request.input_ids[:-1]
+        padded = _padded_prefix(prefill.request, self.target.context_limit)
+        if prefill.done >= padded:
+            return 0
+        start, end = prefill.done, min(prefill.done + PREFILL_CHUNK, padded)
+        chunk = prefix[start:end] + [prefix[-1]] * max(0, end - max(start, len(prefix)))
+        if prefill.cache is None:
+            prefill.cache = self.target.new_cache()
+        hidden_layers = self.drafters[prefill.slot].hidden_layers
+        ids = torch.tensor([chunk], device=self.target.device)
+        output = chunk_forward(self.target.forward, prefill.cache, ids, hidden_layers)
+        for layer, states in output.hidden.items():
+            prefill.parts.setdefault(layer, []).append(states[: len(prefix) - start])  # the real positions
+        prefill.done = end
+        return end - start
+
+    def _start(self, prefill: _Prefill) -> None:
+        """A prompt prefilled: its keys and values into a new cache row, the slot's drafter told the prompt."""
+        request, drafter = prefill.request, self.drafters[prefill.slot]
+        committed = list(request.input_ids)
+        keys = values = None
+        if prefill.cache is not None:
+            keys = [layer.keys for layer in prefill.cache.layers]
+            values = [layer.values for layer in prefill.cache.layers]
+        self.cache.add_row(keys, values, len(committed) - 1)
+        hidden = {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in prefill.parts.items()}
+        drafter.reset()
+        drafter.observe(Observation(tuple(committed), hidden))
+        generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
+        started = prefill.started
+        running = _Running(request, prefill.slot, committed, generator, started, time.perf_counter() - started)
+        running.drafter_before = drafter.stats()
+        self.running.append(running)
 
     def _price_trees(self) -> None:
         """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree, so
@@ -187,7 +266,7 @@ class BatchEngine:
     def _forward(self, trees: list[DraftTree]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One target forward over every row's tree -> logits [rows, widest, V] and the drafters' hidden layers."""
         device, dtype = self.target.device, self.target.dtype
-        rows, widest = len(trees), max(tree.size for tree in trees)
+        rows, widest = len(trees), padded_width(max(tree.size for tree in trees))
         lengths = self.cache.lengths
         width = max(lengths) + widest
         lowest = torch.finfo(dtype).min
@@ -262,6 +341,12 @@ class BatchEngine:
         cancelled = [request for request in self.waiting if request.cancelled]
         self.waiting = deque(request for request in self.waiting if not request.cancelled)
         results = [Finished(request, (), _empty_stats(self.target)) for request in cancelled]
+        results += [
+            Finished(prefill.request, (), _empty_stats(self.target), prefill.started)
+            for prefill in self.prefilling
+            if prefill.request.cancelled
+        ]
+        self.prefilling = [prefill for prefill in self.prefilling if not prefill.request.cancelled]
         return results + self._drop_done()
 
     def _finish(self, row: int, running: _Running) -> Finished:
@@ -283,9 +368,34 @@ class BatchEngine:
             path=self.target.execution.name,
         )
         by_source = drafter.stats().accepted_since(running.drafter_before)
+        drafter.reset()  # the request's own state (its context, a head's cache over it) is not kept while it idles
         return Finished(
             running.request, tuple(running.new_tokens), stats, running.started, drafter.describe(), by_source
         )
+
+
+def _padded_prefix(request: BatchRequest, context_limit: int) -> int:
+    """The positions a request's prefill forwards: its prompt less the last token, padded to a multiple of
+    PREFILL_STEP within the context."""
+    length = len(request.input_ids) - 1
+    return min(-(-length // PREFILL_STEP) * PREFILL_STEP, context_limit)
+
+
+def share_histories(first: Drafter, drafter: Drafter) -> None:
+    """`drafter`'s `history` sources (itself, or auto's) draft from and add to `first`'s: the slots keep one history of
+    the requests the engine served, capped once (HistoryOptions.max_tokens), not one each growing to the cap."""
+    for own, shared in zip(_histories(drafter), _histories(first), strict=False):
+        own.share_history(shared)
+
+
+def _histories(drafter: Drafter) -> list[HistoryDrafter]:
+    found, stack = [], [drafter]
+    while stack:
+        part = stack.pop(0)
+        if isinstance(part, HistoryDrafter):
+            found.append(part)
+        stack += [part.drafter] if isinstance(part, Paced) else list(part.parts())
+    return found
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,6 +19,7 @@ from typing import Callable
 
 from ..batch import BatchEngine, BatchRequest, Finished
 from ..errors import SelfspecError, first_line
+from ..memory import fix_mmap_threshold
 from ..sampling import SamplingConfig
 from .protocol import ApiError, DecodeRequest
 from .text import ReplyText
@@ -81,6 +82,7 @@ class Scheduler:
     the jobs as slots free up and steps them together."""
 
     def __init__(self, spec, slots: int = 4):
+        fix_mmap_threshold()  # a process that serves for days: freed tensors go back to the system (memory.py)
         self.spec = spec
         self.engine = BatchEngine(spec.target, spec.new_drafter, slots)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
@@ -105,7 +107,7 @@ class Scheduler:
     def health(self) -> dict:
         return {
             "queued": self.jobs.qsize() + len(self.engine.waiting),
-            "running": len(self.engine.running),
+            "running": self.engine.admitted,  # decoding, or their prompts being prefilled
             "slots": self.engine.slots,
             **self.counts,
         }

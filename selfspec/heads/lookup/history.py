@@ -60,10 +60,15 @@ class HistoryDrafter(NgramDrafter):
         if len(self.history) + len(tokens) > self.max_tokens:
             # Re-index the newest three quarters of the cap: a rebuild now and then, not one per request.
             kept = (self.history.tokens.tolist() + tokens)[-(self.max_tokens * 3 // 4 or 1) :]
-            self.history = PackedTokenIndex(self.history.sizes)
+            self.history.clear()  # in place: drafters that share it (share_history) keep sharing it
             self.history.extend(kept)
             return
         self.history.extend(tokens)
+
+    def share_history(self, other: "HistoryDrafter") -> None:
+        """Draft from `other`'s history, and add this drafter's requests to it: one history for the slots of a batch
+        (selfspec.batch), as one `SelfSpec` has one, held once and capped once."""
+        self.history = other.history
 
     @property
     def context(self) -> list[int]:

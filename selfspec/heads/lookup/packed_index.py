@@ -38,6 +38,12 @@ class PackedTokenIndex:
         self._hashes = {n: np.zeros(0, dtype=np.uint64) for n in sizes}  # sorted
         self._ends = {n: np.zeros(0, dtype=np.int64) for n in sizes}  # position after each n-gram, same order
 
+    def clear(self) -> None:
+        """Forget every token (the object stays: whoever shares it sees it emptied)."""
+        self.tokens = np.zeros(0, dtype=np.int64)
+        self._hashes = {n: np.zeros(0, dtype=np.uint64) for n in self.sizes}
+        self._ends = {n: np.zeros(0, dtype=np.int64) for n in self.sizes}
+
     def __len__(self) -> int:
         return len(self.tokens)
 
