@@ -143,7 +143,7 @@ def _profile_paths(target, args) -> dict:
     target.execution.recalibrate = args.recalibrate  # measured as the path settles, stored, then read by the others
     target.execution.prepare()
     paths = {"stock": ExecutionPath(target.model, "stock")}
-    if target.execution.name == "q4":  # its model holds no float32 linears to pack
+    if target.execution.four_bit:  # its model holds no float32 linears to pack
         return paths | {target.execution.name: target.execution}
     if has_fast and target.execution.name == "fast":
         paths["fast"] = target.execution
