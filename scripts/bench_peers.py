@@ -142,6 +142,18 @@ def write_results(out: Path, runs: dict, args, threads: int) -> None:
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
     machine = f"{cpu}, {os.cpu_count()} cores, {'AVX-512' if 'avx512f' in flags else 'AVX2'}"
     machine += ", avx512_bf16" if "avx512_bf16" in flags else ""
+    kept = {  # per run: what it made and how long it took, not the tokens (the tree every device call carries is small)
+        name: [
+            {"prompt": r["prompt"], "new_tokens": len(r["tokens"]), "s": round(r["s"], 4)}
+            | (
+                {"equal_to_none": r["tokens"] == runs[name.rsplit(" ", 1)[0] + " none"][i]["tokens"]}
+                if name.startswith("selfspec")
+                else {}
+            )
+            for i, r in enumerate(records)
+        ]
+        for name, records in runs.items()
+    }
     document = {
         "command": "python scripts/bench_peers.py " + " ".join(sys.argv[1:]),
         "commit": commit,
@@ -151,7 +163,7 @@ def write_results(out: Path, runs: dict, args, threads: int) -> None:
         "torch": torch.__version__,
         "max_new_tokens": args.max_new_tokens,
         "rows": rows,
-        "runs": runs,
+        "runs": kept,
     }
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps(document, indent=1))
