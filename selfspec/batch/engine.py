@@ -383,8 +383,9 @@ def _padded_prefix(request: BatchRequest, context_limit: int) -> int:
 
 def share_histories(first: Drafter, drafter: Drafter) -> None:
     """`drafter`'s `history` sources (itself, or auto's) draft from and add to `first`'s: the slots keep one history of
-    the requests the engine served, capped once (HistoryOptions.max_tokens), not one each growing to the cap."""
-    for own, shared in zip(_histories(drafter), _histories(first), strict=False):
+    the requests the engine served, capped once (HistoryOptions.max_tokens), not one each growing to the cap. Both
+    come from one factory, so they hold the same sources."""
+    for own, shared in zip(_histories(drafter), _histories(first), strict=True):
         own.share_history(shared)
 
 

@@ -216,7 +216,7 @@ def adapted_target(target: Target, adapter_dir: Path) -> Target:
 
     try:
         model = sharing_copy(target.model, new_parameters=True)
-    except (RuntimeError, TypeError, copy.Error) as error:  # RuntimeError covers NotImplementedError
+    except (RuntimeError, TypeError, copy.Error) as error:  # what a module that refuses deepcopy raises
         raise SelfspecError(
             f"Medusa-2 heads need a copy of the target to merge their adapter into, and this model "
             f"cannot be copied ({first_line(error)}): use Medusa-1 heads or another drafter"
