@@ -4,9 +4,10 @@ of the machine hit both.
 
     python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 8 --max-tokens 128
 
-Both servers run in this process on one model (the same weights, the same execution path), each on its own port,
-driven over loopback by client processes that stream (server-sent events) and time each chunk. Prompts: the held-out
-ShareGPT prompts the bench uses. Writes results.json, results.md and throughput.png to --out.
+Each server is a `selfspec serve` process of its own, as a user runs it (decoding on its main thread: a second server's
+decoding thread in one process would slow both, Scheduler.work_here), on a free loopback port, driven by client
+processes that stream (server-sent events) and time each chunk. Prompts: the held-out ShareGPT prompts the bench uses.
+Writes results.json, results.md and throughput.png to --out.
 """
 
 from __future__ import annotations
@@ -14,22 +15,51 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from selfspec import SelfSpec
 from selfspec.files import atomic_write_text
-from selfspec.serve import Scheduler, ServedModel, ServerThread
 from selfspec.training.data.prompt_sets import load_prompt_set
 
+SERVE = "import sys; from selfspec.cli import main; sys.exit(main())"
 
-def start_server(spec: SelfSpec, slots: int, max_tokens: int) -> ServerThread:
-    scheduler = Scheduler(spec, slots)
-    scheduler.engine.slot_drafter(0)  # built before the clock starts
-    return ServerThread(scheduler, ServedModel(spec.target.name, spec.target, spec._drafter_spec, max_tokens))
+
+class ServeProcess:
+    """`selfspec serve --port 0 ...` started and waited for: `url` once it says where it listens; `stop()` ends it."""
+
+    def __init__(self, model: str, drafter: str, slots: int, max_tokens: int):
+        command = [sys.executable, "-c", SERVE, "serve", "--model", model, "--drafter", drafter, "--port", "0"]
+        command += ["--slots", str(slots), "--max-new-tokens", str(max_tokens)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        for line in self.process.stdout:
+            found = re.search(r"(http://[^/\s]+)/v1", line)
+            if found:
+                self.url, self.banner = found.group(1), line.strip()
+                return
+        raise SystemExit(f"selfspec serve --drafter {drafter} did not start (exit {self.process.wait()})")
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def execution_path(url: str) -> str:
+    """The path the server decodes on, from a short request's `selfspec` field."""
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=600)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = json.loads(connection.getresponse().read())
+    connection.close()
+    return reply["selfspec"]["execution_path"]
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> dict:
@@ -139,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     levels = [int(level) for level in args.concurrency.split(",")]
     prompts = [item.text for item in load_prompt_set("sharegpt")]
-    on = SelfSpec(args.model, drafter=args.drafter)
-    off = SelfSpec(on.target, drafter="none")
-    on.target.execution.prepare()
-    servers = {name: start_server(spec, args.slots, args.max_tokens) for name, spec in (("on", on), ("off", off))}
+    servers = {}
     rows = []
     try:
+        for name, drafter in (("on", args.drafter), ("off", "none")):
+            servers[name] = ServeProcess(args.model, drafter, args.slots, args.max_tokens)
+            print(servers[name].banner, flush=True)
+        paths = {execution_path(server.url) for server in servers.values()}
         for server in servers.values():  # warm-up: the path's first steps, the drafters' first requests
             run_level(server.url, prompts[:2], 2, 16)
         for index, level in enumerate(levels):
@@ -159,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     from selfspec.execution import describe_cpu
 
     meta = {
-        "model": on.target.name,
+        "model": args.model if args.model != "default" else "SmolLM2-135M-Instruct",
         "drafter": args.drafter,
-        "path": on.target.execution.name,
+        "path": "/".join(sorted(paths)),
         "slots": args.slots,
         "requests": args.requests,
         "max_tokens": args.max_tokens,

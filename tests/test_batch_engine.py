@@ -7,6 +7,7 @@ import torch
 
 from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
 from selfspec.batch.engine import batch_curve
+from selfspec.batch.pacing import FIRST_PAUSE, WINDOW, BatchPacing
 from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
@@ -120,21 +121,25 @@ def test_stop_tokens_cancellation_and_a_slot_freed_for_the_next(tmp_path):
 
 
 def test_the_ragged_cache_keeps_rows_apart():
+    """A step writes every row's new positions after the longest prefix; `keep` then moves each row's accepted ones
+    next to its own prefix, the rows apart."""
     cache = RaggedCache(num_layers=1)
     shape = (1, 2, 3, 4)
     first = torch.arange(24.0).view(shape)
     cache.add_row([first], [first + 100], 3)
     cache.add_row(None, None, 0)
     layer = cache.layers[0]
+    assert layer.length == 3
     row0 = torch.tensor([-1.0, -3.0]).view(1, 2, 1).expand(2, 2, 4)  # two distinct new positions
-    new = torch.stack([row0, torch.full((2, 2, 4), -2.0)])  # [rows, heads, 2 new, dim]
+    row1 = torch.tensor([-2.0, -4.0]).view(1, 2, 1).expand(2, 2, 4)
+    new = torch.stack([row0, row1])  # [rows, heads, 2 new, dim]
     keys, _ = layer.update(new, new)
     assert keys.shape == (2, 2, 5, 4)
-    assert torch.equal(keys[0, :, :3], first[0]) and torch.equal(keys[0, :, 3:], new[0])  # after row 0's prefix
-    assert torch.equal(keys[1, :, :2], new[1])  # row 1 from its own start
-    cache.keep(0, (1,))  # row 0 keeps its second new position only: moved next to its prefix
-    cache.keep(1, (0, 1))  # a chain from the root: in place already
+    assert torch.equal(keys[0, :, :3], first[0]) and torch.equal(keys[:, :, 3:], new)  # after the longest prefix
+    cache.keep([(1,), (0, 1)])  # row 0 keeps its second new position only; row 1 both, moved to its own start
     assert cache.lengths == [4, 2] and torch.equal(layer.store[0][0, :, 3], torch.full((2, 4), -3.0))
+    assert torch.equal(layer.store[0][0, :, :3], first[0])  # row 0's prefix untouched
+    assert torch.equal(layer.store[0][1, :, :2], new[1]) and torch.equal(layer.store[1][1, :, :2], new[1])
     assert cache.drop_row(0) == 1 and cache.lengths == [2]  # the last row moves into the freed one
     assert torch.equal(layer.store[0][0, :, :2], new[1])
 
@@ -300,3 +305,30 @@ def test_a_long_prefill_is_spread_over_the_steps_of_those_decoding(tmp_path):
     assert done[id(first)].token_ids == alone(target, make, first.input_ids, 30)
     assert done[id(joining)].token_ids == alone(target, make, long_prompt, 10)
     assert done[id(joining)].stats.new_tokens == 10 and engine.admitted == 0 and not engine.prefilling
+
+
+def test_a_batch_whose_drafting_does_not_pay_decodes_plain_steps_for_a_while():
+    """BatchPacing weighs windows of drafted steps of B requests against B tokens a plain step of B: a losing window
+    pauses drafting for that batch size (16, then 32 steps ...), a paying one asks again at once; a step where every
+    drafter declined skips asking for 1, 2, 4 ... steps. A request alone is left to its drafter."""
+    pacing = BatchPacing()
+    assert pacing.ask(1) and pacing.ask(4)
+    pacing.record(4, drafted=False, asked=True, tokens=4, seconds=0.020)  # every drafter declined: a plain step
+    assert [pacing.ask(4) for _ in range(2)] == [False, True]  # one step asked none
+    pacing.record(4, drafted=False, asked=True, tokens=4, seconds=0.020)
+    assert [pacing.ask(4) for _ in range(3)] == [False, False, True]
+    for _ in range(WINDOW):  # 5 tokens in 0.030 s: 167 a second against 4 / 0.020 = 200 in plain steps
+        pacing.record(4, drafted=True, asked=True, tokens=5, seconds=0.030)
+    assert [pacing.ask(4) for _ in range(FIRST_PAUSE + 1)] == [False] * FIRST_PAUSE + [True]
+    assert pacing.ask(1)  # one request: its drafter's own pacing decides
+    for _ in range(WINDOW):  # still losing: twice as long
+        pacing.record(4, drafted=True, asked=True, tokens=5, seconds=0.031)
+    assert pacing.paused_left == 2 * FIRST_PAUSE
+    pacing.paused_left = 0
+    for _ in range(WINDOW):  # 6 tokens in 0.025 s: 240 a second, it pays
+        pacing.record(4, drafted=True, asked=True, tokens=6, seconds=0.025)
+    assert pacing.ask(4) and pacing.sizes[4].pause == 0
+    fresh = BatchPacing()  # drafted windows with no plain step measured yet: a few plain steps to measure one
+    for _ in range(WINDOW):
+        fresh.record(2, drafted=True, asked=True, tokens=3, seconds=0.02)
+    assert [fresh.ask(2) for _ in range(3)] == [False, False, True]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from selfspec import SelfSpec
+from selfspec.batch import BatchEngine, BatchRequest
 from selfspec.cli import main
 from selfspec.cost import load_cost_curve
 from selfspec.decoding import speculative_generate
@@ -137,10 +138,9 @@ def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, mon
     assert model_as_made(target.model) == made  # the path is called, never set on the model
 
 
-def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypatch):
-    """The graphs honour only the new rows' block of a mask: one that hides cached positions (a padded row of a
-    batch, as the regeneration's engine leaves when its batch is down to one row) goes to the eager forward, whose
-    logits are then those of the fast path."""
+def test_a_mask_that_hides_cached_positions_is_honoured_by_the_graph(compiled_target, monkeypatch):
+    """The graphs take the whole mask: one that hides cached positions (a padded row of a batch, as the regeneration's
+    engine leaves when its batch is down to one row) runs compiled and gives the fast path's logits."""
     from selfspec.training.data.greedy_batch import greedy_replies
 
     target, _, _ = compiled_target
@@ -163,7 +163,7 @@ def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypa
                     position_ids=torch.tensor([[len(LONG_PROMPT)]]),
                     past_key_values=cache,
                 ).logits
-    assert calls == []
+    assert calls == [1]
     torch.testing.assert_close(logits["compiled"], logits["fast"], atol=1e-5, rtol=1e-5)
     # The regeneration's engine on the compiled path: a short prompt left alone in its batch, its cache padded.
     short, long = LONG_PROMPT[:20], LONG_PROMPT + LONG_PROMPT[1:20]
@@ -173,6 +173,26 @@ def test_a_mask_that_hides_cached_positions_runs_eager(compiled_target, monkeypa
     both = greedy_replies(ending, [short, long], 12)
     cut = next((i for i, token in enumerate(alone) if token == first_of_long), None)
     assert both == [alone if cut is None else alone[: cut + 1], [first_of_long]]
+
+
+@pytest.mark.parametrize("name", ["none", "ngram"])
+def test_the_batch_engine_verifies_its_requests_in_one_compiled_step(compiled_target, monkeypatch, tmp_path, name):
+    """Requests of different lengths decoded together on the compiled path: their steps run in the `tree` graph as
+    one batch (rows of other lengths, each seeing its own prefix), and each request's greedy reply is its own alone."""
+    target, _, _ = compiled_target
+    step = target.execution.compiled
+    batches = []
+    runner = step.runners["tree"]
+    monkeypatch.setitem(step.runners, "tree", lambda ids, *rest: batches.append(ids.shape[0]) or runner(ids, *rest))
+    prompts = [LONG_PROMPT, LONG_PROMPT[:25], LONG_PROMPT + LONG_PROMPT[5:30]]
+    expected = [hf_greedy(target, prompt, 14, eos=-1) for prompt in prompts]
+    engine = BatchEngine(target, lambda: create_drafter(name, target), slots=3)
+    requests = [BatchRequest(prompt, 14) for prompt in prompts]
+    for request in requests:
+        engine.submit(request)
+    done = {id(result.request): list(result.token_ids) for result in engine.run()}
+    assert [done[id(request)] for request in requests] == expected
+    assert max(batches) == 3
 
 
 @pytest.mark.parametrize("stock_rows", [8, 2])  # one-token steps in `few`, or in `tree` padded
@@ -212,7 +232,7 @@ def test_sampling_through_the_compiled_path_follows_the_target_distribution(
     graphs = []
     choose = CompiledStep.graph_for
     monkeypatch.setattr(
-        CompiledStep, "graph_for", lambda self, n: graphs.append((n, choose(self, n)[0])) or choose(self, n)
+        CompiledStep, "graph_for", lambda self, n, b=1: graphs.append((n, choose(self, n, b)[0])) or choose(self, n, b)
     )
     prompt = [1 + (3 * i) % 7 for i in range(24)]
     counts = sample_joint(target, BigramTreeDrafter(target, drawn=True, without_replacement=True), 12_000, prompt)

@@ -377,16 +377,18 @@ def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
 
 def test_small_compiled_steps_take_the_graph_the_row_split_favours():
     """Steps of 1-3 tokens run in `few` (MKL's kernel, at least two rows) only while the stock kernel wins at their
-    padded rows, else in `tree` padded to four; 4+ always in `tree`. The graphs themselves: test_compiled."""
+    padded rows, else in `tree` as they are; 4+ always in `tree`, and so does a batch of requests' rows. The graphs
+    themselves: test_compiled."""
     expected = {
-        1: [("tree", 4), ("tree", 4), ("tree", 4), ("tree", 4), ("tree", 9)],  # the packed kernel wins from one row
-        2: [("tree", 4), ("tree", 4), ("tree", 4), ("tree", 4), ("tree", 9)],  # from two (the AVX2 EPYC)
-        3: [("few", 2), ("few", 2), ("tree", 4), ("tree", 4), ("tree", 9)],
+        1: [("tree", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # the packed kernel wins from one row
+        2: [("tree", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # from two (the AVX2 EPYC)
+        3: [("few", 2), ("few", 2), ("tree", 3), ("tree", 4), ("tree", 9)],
         4: [("few", 2), ("few", 2), ("few", 3), ("tree", 4), ("tree", 9)],  # the Xeon
     }
     for stock_rows, graphs in expected.items():
         step = CompiledStep(torch.nn.Linear(1, 1), "m", dispatch=RowDispatch(stock_rows))
         assert [step.graph_for(n) for n in (1, 2, 3, 4, 9)] == graphs, stock_rows
+        assert [step.graph_for(n, batch=3) for n in (1, 2, 9)] == [("tree", 1), ("tree", 2), ("tree", 9)]
     assert CompiledStep(torch.nn.Linear(1, 1), "m").graph_for(1) == ("few", 2)  # no split measured: as before
 
 

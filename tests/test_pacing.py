@@ -14,7 +14,7 @@ from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.heads import create_drafter
 from selfspec.heads.base import Drafter, DraftRequest, Observation
-from selfspec.heads.paced import PAUSE_RULE, Paced, PlainStep, paced, request_pacing
+from selfspec.heads.paced import PAUSE_RULE, Paced, PlainStep, paced, request_pacing, share_steps
 from selfspec.sampling import SamplingConfig
 from selfspec.tree_attention import DraftTree
 
@@ -87,6 +87,19 @@ def test_drafting_that_does_not_pay_is_paused_in_proportion_to_what_it_lost(cloc
     # A drafter that costs next to nothing (a lookup that keeps missing) is never paused either.
     free = Paced(_TimedDrafter(clock, draft_s=0.0001))
     assert all(run_steps(free, clock, 40, accepted=0)) and free.paused_steps == 0
+
+
+def test_drafting_that_delays_several_requests_is_weighed_for_each(clock):
+    """In the batch engine a drafter's time holds back every request of the step: 0.0102 s of drafting a step with
+    one token in four accepted pays for one request (0.408 plain steps spent against 1 earned a window) and not for
+    four (1.632 spent: paused ceil(0.632 / 0.02) - 4 = 28 steps)."""
+    alone = Paced(_TimedDrafter(clock, draft_s=0.0102))
+    shared = Paced(_TimedDrafter(clock, draft_s=0.0102))
+    share_steps(shared, 4)
+    for drafter in (alone, shared):
+        for accepted in (1, 0, 0, 0):
+            run_steps(drafter, clock, 1, accepted=accepted)
+    assert alone.pause_left == 0 and shared.pause_left == 28
 
 
 def test_the_pause_carries_over_to_the_next_request_and_an_unpaced_one_leaves_it(clock):

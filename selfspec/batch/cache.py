@@ -1,9 +1,10 @@
 """A KV cache whose batch rows hold different requests at different lengths (the batch engine's).
 
-Row r holds its request's committed prefix in positions [0, lengths[r]) of every layer's storage. A step writes each
-row's new nodes after that row's own prefix (`update`), so rows never wait for one another to line up; the attention
-mask the engine builds tells each row's queries which positions are theirs. After verification `keep` moves a row's
-accepted nodes next to its prefix, as the single-request cache does (tree_attention.compact_cache). Rows are kept
+Row r holds its request's committed prefix in positions [0, lengths[r]) of every layer's storage. A step writes every
+row's new nodes at the same place, after the longest row's prefix (`length`), in one copy a layer, or in place by the
+compiled step (execution/compiled.py, through the WrittenInPlace part: `storage`, `reserve`, `mark_filled`); the
+attention mask the engine builds tells each row's queries which positions are theirs. After verification `keep` moves
+each row's accepted nodes next to its own prefix (one gather and one scatter a layer for all rows). Rows are kept
 contiguous from 0: a request that leaves gives its row to the last one (`drop_row`), so a step runs over the first
 `rows` rows of the storage, a view, never a copy.
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..execution.kv_storage import WrittenInPlace
+
 MIN_CAPACITY = 256  # positions reserved per row at least; storage grows to 1.5x what is needed (`_capacity`)
 
 
@@ -25,10 +28,10 @@ def _capacity(needed: int) -> int:
     return max(MIN_CAPACITY, needed + needed // 2)
 
 
-class RaggedLayer(DynamicLayer):
+class RaggedLayer(DynamicLayer, WrittenInPlace):
     """One layer's keys and values for every row: storage [rows, kv_heads, capacity, head_dim]. `keys`/`values` (what
-    attention reads after `update`) span the longest row plus the step's new positions; a row's positions past its own
-    length plus the step's are stale and must be hidden by the mask."""
+    attention reads after a step's write) span the longest row plus the step's new positions; a row's positions past
+    its own length, up to the step's, are stale and must be hidden by the mask."""
 
     def __init__(self, lengths: list[int]):
         super().__init__()
@@ -48,26 +51,46 @@ class RaggedLayer(DynamicLayer):
                 new[: previous.shape[0], :, : previous.shape[2]] = previous
         self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
 
+    @property
+    def length(self) -> int:
+        """Where a step's new positions go in every row: after the longest row's prefix."""
+        return max(self.lengths, default=0)
+
+    @property
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows in flight's (keys, values) storage, [rows, kv_heads, capacity, head_dim] views (None: none yet)."""
+        if self.store is None:
+            return None
+        rows = len(self.lengths)
+        return self.store[0][:rows], self.store[1][:rows]
+
+    def reserve(self, needed: int) -> None:
+        self._reserve(len(self.lengths), needed, self.store[0])
+
+    def mark_filled(self, end: int) -> None:
+        """A step's positions [length, end) of every row were written: attention reads [0, end)."""
+        rows = len(self.lengths)
+        self.keys, self.values = self.store[0][:rows, :, :end], self.store[1][:rows, :, :end]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rows, n = key_states.shape[0], key_states.shape[2]
         if rows != len(self.lengths):
             raise RuntimeError(f"a step of {rows} rows on a ragged cache of {len(self.lengths)}")
-        longest = max(self.lengths) + n
-        self._reserve(rows, longest, key_states)
-        keys, values = self.store
-        for row, start in enumerate(self.lengths):
-            keys[row, :, start : start + n] = key_states[row]
-            values[row, :, start : start + n] = value_states[row]
-        self.keys, self.values = keys[:rows, :, :longest], values[:rows, :, :longest]
+        start = self.length
+        self._reserve(rows, start + n, key_states)
+        self.store[0][:rows, :, start : start + n] = key_states
+        self.store[1][:rows, :, start : start + n] = value_states
+        self.mark_filled(start + n)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return max(self.lengths, default=0)
+        return self.length
 
-    def keep(self, row: int, base: int, offsets: torch.Tensor) -> None:
-        """Row `row` keeps positions [0, base) and then base + offsets (ascending), packed from `base` on."""
+    def keep(self, rows: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Position sources[i, j] of row rows[i] moves to destinations[i, j] (all read before any is written); each
+        [rows, kept]."""
         for store in self.store:
-            store[row, :, base : base + offsets.numel()] = store[row, :, base:].index_select(-2, offsets)
+            store[rows, :, destinations] = store[rows, :, sources]
 
     def load(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Row `row` takes a prefix computed elsewhere: keys and values [1, kv_heads, length, head_dim]."""
@@ -118,15 +141,27 @@ class RaggedCache(Cache):
                 layer.load(row, layer_keys[:, :, :length], layer_values[:, :, :length])
         return row
 
-    def keep(self, row: int, path: tuple[int, ...]) -> None:
-        """After a step: row `row` keeps its prefix and the step's nodes on `path` (its accepted path, ascending). A
-        path that is a chain from the root (0, 1, ..., k-1) is where it should be already: nothing moves."""
-        base = self.lengths[row]
-        if path != tuple(range(len(path))):
-            offsets = torch.tensor(path, device=self.layers[0].store[0].device)
+    def keep(self, paths: list[tuple[int, ...]]) -> None:
+        """After a step: row r keeps its prefix and the step's nodes on paths[r] (its accepted path, ascending), moved
+        from where the step wrote them (after the longest prefix) to after its own prefix. A row as long as the
+        longest whose path is a chain from the root is where it should be already."""
+        start = max(self.lengths)
+        moves = [
+            (row, path)
+            for row, path in enumerate(paths)
+            if self.lengths[row] != start or path != tuple(range(len(path)))
+        ]
+        if moves:
+            # one gather and one scatter a layer for every row that moves: rows with shorter paths take their last
+            # node again into positions past their new length, which stay stale (the capacity covers start + width)
+            widest = max(len(path) for _, path in moves)
+            rows = torch.tensor([row for row, _ in moves]).view(-1, 1)
+            sources = torch.tensor([[start + path[min(j, len(path) - 1)] for j in range(widest)] for _, path in moves])
+            destinations = torch.tensor([[self.lengths[row] + j for j in range(widest)] for row, _ in moves])
             for layer in self.layers:
-                layer.keep(row, base, offsets)
-        self.lengths[row] = base + len(path)
+                layer.keep(rows, sources, destinations)
+        for row, path in enumerate(paths):
+            self.lengths[row] += len(path)
 
     def drop_row(self, row: int) -> int | None:
         """Remove row `row`; the last row moves into its place. Returns the index that moved there (None: none did)."""

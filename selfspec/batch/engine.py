@@ -34,12 +34,13 @@ from ..decoding import GenerationStats, validate_request
 from ..errors import SelfspecError
 from ..heads.base import Drafter, DraftRequest, Observation
 from ..heads.lookup import HistoryDrafter
-from ..heads.paced import Paced, paced
+from ..heads.paced import Paced, paced, share_steps
 from ..memory import release_freed_memory
 from ..models import Target
 from ..sampling import SamplingConfig, StepDraws
 from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
 from .cache import RaggedCache
+from .pacing import BatchPacing
 
 # The row counts the target's forwards take come from a few sizes, not from every prompt length and tree size: the fast
 # path's linears run oneDNN kernels compiled for each row count and kept in caches of 256 entries (selfspec/memory.py),
@@ -125,6 +126,7 @@ class BatchEngine:
         self.prefilling: list[_Prefill] = []  # admitted, their prompts not yet all forwarded (oldest first)
         self.running: list[_Running] = []  # row i of the cache is running[i]
         self.cache = RaggedCache(target.num_layers)
+        self.pacing = BatchPacing()  # whether drafting pays for several requests at once, measured
         self.rows_per_step: Counter[int] = Counter()  # requests verified together -> steps that did (bounded: slots)
 
     def submit(self, request: BatchRequest) -> None:
@@ -148,19 +150,34 @@ class BatchEngine:
             self._admit()
             self._prefill_some()
             if self.running:
-                self._price_trees()
-                trees = [self._propose(running) for running in self.running]
-                logits, hidden = self._forward(trees)
-                for row, (running, tree) in enumerate(zip(self.running, trees, strict=True)):
-                    self._commit(row, running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
-                self.rows_per_step[len(trees)] += 1
-                del logits, hidden
+                self._decode_step()
                 finished += self._drop_done()
         if finished:
             # What the finished requests freed (their prefills, activations, logits, cache storage) goes back to the
             # system, as SelfSpec.generate does after each request: a server otherwise creeps up (memory.py).
             release_freed_memory()
         return finished
+
+    def _decode_step(self) -> None:
+        """Steps 2-4 of the module docstring for the running requests, paced as a batch (pacing.py)."""
+        began, rows = time.perf_counter(), len(self.running)
+        self._price_trees()
+        asked = self.pacing.ask(rows)
+        if asked:
+            trees = [self._propose(running) for running in self.running]
+        else:  # drafting does not pay for this many requests now: plain steps
+            trees = [DraftTree.root_only(running.committed[-1]) for running in self.running]
+        logits, hidden = self._forward(trees)
+        paths = [
+            self._commit(running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
+            for row, (running, tree) in enumerate(zip(self.running, trees, strict=True))
+        ]
+        del logits, hidden
+        self.cache.keep(paths)
+        self.rows_per_step[rows] += 1
+        emitted = sum(running.accepted_lengths[-1] for running in self.running)
+        drafted = any(tree.size > 1 for tree in trees)
+        self.pacing.record(rows, drafted, asked, emitted, time.perf_counter() - began)
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished; their results in the order they finished."""
@@ -247,12 +264,14 @@ class BatchEngine:
     def _price_trees(self) -> None:
         """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree, so
         a tree of n nodes costs what B * n tokens cost, over B roots alone: each drafter sizes its tree by that curve
-        (batch_curve), and by its own again when it runs alone."""
+        (batch_curve), and by its own again when it runs alone; and its drafting time, which delays all B, is paced
+        as B times its own (share_steps)."""
         rows = len(self.running)
         for running in self.running:
             drafter = self.drafters[running.slot]
             own = self.own_curves[running.slot]
             drafter.cost_curve = own if rows == 1 else batch_curve(own, rows)
+            share_steps(drafter, rows)
 
     def _propose(self, running: _Running) -> DraftTree:
         drafter = self.drafters[running.slot]
@@ -268,11 +287,11 @@ class BatchEngine:
         device, dtype = self.target.device, self.target.dtype
         rows, widest = len(trees), padded_width(max(tree.size for tree in trees))
         lengths = self.cache.lengths
-        width = max(lengths) + widest
+        start = max(lengths)  # every row's nodes are written after the longest prefix (cache.py)
         lowest = torch.finfo(dtype).min
         input_ids = torch.zeros(rows, widest, dtype=torch.long)
         positions = torch.zeros(rows, widest, dtype=torch.long)
-        mask = torch.full((rows, 1, widest, width), lowest, dtype=dtype)
+        mask = torch.full((rows, 1, widest, start + widest), lowest, dtype=dtype)
         for row, (tree, cached) in enumerate(zip(trees, lengths, strict=True)):
             n = tree.size
             input_ids[row, :n] = tree.tokens
@@ -280,9 +299,9 @@ class BatchEngine:
             positions[row, :n] = cached + torch.tensor(tree.depth_list)
             positions[row, n:] = cached
             mask[row, 0, :n, :cached] = 0
-            mask[row, 0, :n, cached : cached + n].masked_fill_(ancestor_matrix(tree), 0)
+            mask[row, 0, :n, start : start + n].masked_fill_(ancestor_matrix(tree), 0)
             padding = torch.arange(n, widest)
-            mask[row, 0, padding, cached + padding] = 0
+            mask[row, 0, padding, start + padding] = 0
         layers = sorted({layer for running in self.running for layer in self.drafters[running.slot].hidden_layers})
         output = self.target.forward(
             input_ids.to(device),
@@ -295,8 +314,9 @@ class BatchEngine:
         return output.logits, hidden
 
     def _commit(
-        self, row: int, running: _Running, tree: DraftTree, logits: torch.Tensor, hidden: dict[int, torch.Tensor]
-    ) -> None:
+        self, running: _Running, tree: DraftTree, logits: torch.Tensor, hidden: dict[int, torch.Tensor]
+    ) -> tuple[int, ...]:
+        """Verify one row, emit its tokens, tell its drafter -> the accepted path the row's cache keeps."""
         request, drafter = running.request, self.drafters[running.slot]
         draws = StepDraws(request.seed, len(running.new_tokens), running.generator)
         result = verify(tree, logits, request.sampling, draws)
@@ -305,7 +325,6 @@ class BatchEngine:
         stop_at = next((i for i, token in enumerate(emitted) if token in stop_ids), None)
         if stop_at is not None:
             emitted, running.stop_reason = emitted[: stop_at + 1], "eos"
-        self.cache.keep(row, result.accepted_path)
         running.committed.extend(emitted)
         running.new_tokens.extend(emitted)
         running.accepted_lengths.append(len(emitted))
@@ -313,13 +332,14 @@ class BatchEngine:
         if request.on_tokens is not None:
             request.on_tokens(emitted)
         if stop_at is not None or len(running.new_tokens) >= request.max_new_tokens:
-            return
+            return result.accepted_path
         if len(running.committed) >= self.target.context_limit:
             running.stop_reason = "context"
-            return
+            return result.accepted_path
         path = torch.tensor(result.accepted_path, device=logits.device)
         rows = {layer: states.index_select(0, path) for layer, states in hidden.items()}
         drafter.observe(Observation(emitted, rows, tree, result.accepted_path))
+        return result.accepted_path
 
     def _done(self, running: _Running) -> bool:
         request = running.request

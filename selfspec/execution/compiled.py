@@ -8,13 +8,16 @@ loops and compiles it into a shared library that any later process loads in abou
   allows at so few rows. A one-token step runs here too, with a second, dummy row that sees only itself (it costs
   about nothing: the weights are read once either way) and whose key and value are left outside the cache's length.
   Compiled without its weights, it reads the model's own parameters (shared, not copied).
-- `tree`: 4-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
+- `tree`: 1-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
   once for small row counts (that packed copy lives in the package).
 A step of 1-3 tokens goes to `few` only where the stock kernel beats the packed one at that many rows on this machine
 (the fast path's row split, `RowDispatch.stock_rows`, measured once per machine); elsewhere (the AVX2 EPYC, whose MKL
-takes 2.3x the packed kernel's time at two rows) it runs in `tree`, padded to four rows with dummy rows the same way.
-Both take the tree's own mask and write the step's keys and values in place into the fast path's KV storage
-(kv_storage.InPlaceLayer, through its public `storage`/`reserve`/`mark_filled`), so a step copies no cache.
+takes 2.3x the packed kernel's time at two rows) it runs in `tree` as it is.
+Every graph takes a batch: B rows of n new tokens, each row under its own whole mask over the cached positions and the
+new ones. One request is B = 1; the batch engine (selfspec/batch) verifies its requests' trees as B rows of a ragged
+cache, each row's mask showing it its own prefix and ancestors, in `tree`. The step's keys and values are written in
+place, after the cache's `length`, into the cache's own storage (kv_storage.WrittenInPlace: `storage`, `reserve`,
+`mark_filled`), so a step copies no cache.
 Only the graphs the row split sends steps to are built (`graphs_needed`: `tree` alone where the packed kernel wins
 from two rows). The q4 path (q4.py) has one graph of its own, `q4`: 2-64 rows of its twin (4-bit linears, a
 bfloat16 LM head), compiled without its weights like `few`, a one-token step padded to two rows; its products'
@@ -37,22 +40,24 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import SelfspecError
 from ..files import cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
-from .kv_storage import InPlaceLayer
+from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP
 
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
-# graph -> the rows it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others float32's
-GRAPHS = {"few": (2, 3), "tree": (4, MAX_TREE_ROWS), "q4": (2, MAX_TREE_ROWS)}
+MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batch engine's); more run eager
+# graph -> the new tokens a row it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others
+# float32's
+GRAPHS = {"few": (2, 3), "tree": (1, MAX_TREE_ROWS), "q4": (2, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 3  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+PACKAGE_FORMAT = 4  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 
 
@@ -108,21 +113,23 @@ class _StoreLayer(DynamicLayer):
 
 
 class _Step(torch.nn.Module):
-    """The traced function: (new tokens [1, n], their positions [1, n], the tree's own mask [1, 1, n, n] additive, a
-    [0, cached] tensor whose width is the cache length, each layer's key and value storage) -> (logits [1, n, V],
-    hidden states: the embeddings and every layer's output, each [1, n, H])."""
+    """The traced function: (new tokens [B, n], their positions [B, n], the whole additive mask [B, 1, n, cached + n]
+    over the cached positions and the new ones, each layer's key and value storage [B, kv_heads, capacity, head_dim]
+    holding `cached` positions) -> (logits [B, n, V], hidden states: the embeddings and every layer's output, each
+    [B, n, H]). B is 1 for one request; the batch engine's rows are requests of different lengths, each row's mask
+    showing it only its own."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, position_ids, tree_mask, cached_marker, key_stores, value_stores):
-        cached, n = cached_marker.shape[1], input_ids.shape[1]
+    def forward(self, input_ids, position_ids, mask, key_stores, value_stores):
+        n = input_ids.shape[1]
+        cached = mask.shape[-1] - n
         cache = DynamicCache(config=self.model.config)
         cache.layers = [
             _StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores, strict=True)
         ]
-        mask = torch.cat([tree_mask.new_zeros(1, 1, n, cached), tree_mask], dim=-1)  # the whole cache, then the tree
         output = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -139,16 +146,16 @@ def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None 
     dtype = next(model.parameters()).dtype
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    batch = 2  # traced with two requests, so that the batch dimension stays dynamic (one request is B = 1)
     stores = [
-        torch.zeros(1, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=store_dtype or dtype)
+        torch.zeros(batch, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=store_dtype or dtype)
         for _ in range(config.num_hidden_layers)
     ]
-    positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows)
+    positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows).expand(batch, rows)
     return (
-        torch.zeros(1, rows, dtype=torch.long),
-        positions,
-        causal_block_mask(0, rows, dtype, "cpu"),
-        torch.empty(0, _EXAMPLE_CACHED),
+        torch.zeros(batch, rows, dtype=torch.long),
+        positions.contiguous(),
+        causal_block_mask(_EXAMPLE_CACHED, rows, dtype, "cpu").expand(batch, 1, rows, -1).contiguous(),
         stores,
         [store.clone() for store in stores],
     )
@@ -161,13 +168,13 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
 
     low, high = GRAPHS[kind]
     rows, layers = Dim(f"{kind}_rows", min=low, max=high), model.config.num_hidden_layers
+    batch, width = Dim("batch", min=1, max=MAX_BATCH), Dim("width", min=MIN_CACHED + low, max=1 << 20)
     shapes = {
-        "input_ids": {1: rows},
-        "position_ids": {1: rows},
-        "tree_mask": {2: rows, 3: rows},
-        "cached_marker": {1: Dim("cached", min=MIN_CACHED, max=1 << 20)},
-        "key_stores": [{2: Dim.AUTO}] * layers,
-        "value_stores": [{2: Dim.AUTO}] * layers,
+        "input_ids": {0: batch, 1: rows},
+        "position_ids": {0: batch, 1: rows},
+        "mask": {0: batch, 2: rows, 3: width},
+        "key_stores": [{0: batch, 2: Dim.AUTO}] * layers,
+        "value_stores": [{0: batch, 2: Dim.AUTO}] * layers,
     }
     example = _example(model, min(max(low, 6), high), torch.float64 if kind == "q4" else None)  # q4: float64 KV
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,19 +202,21 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
         temp.unlink(missing_ok=True)
 
 
-def _padded(input_ids, position_ids, tree_mask, rows: int) -> tuple:
+def _padded(input_ids, position_ids, mask, rows: int) -> tuple:
     """A step of n tokens made `rows` long for a graph that takes no fewer: dummy rows (the last token again, at the
-    next positions) that see the cache and themselves only, and that no real row sees. Their keys and values land past
-    the step's own and are left outside the cache's length."""
-    n = input_ids.shape[1]
-    extra = rows - n
-    lowest = torch.finfo(tree_mask.dtype).min
-    mask = torch.full((1, 1, rows, rows), lowest, dtype=tree_mask.dtype)
-    mask[..., :n, :n] = tree_mask.reshape(1, 1, n, n)
-    mask[..., n:, n:].diagonal(dim1=-2, dim2=-1).zero_()
-    input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, extra)], dim=1)
-    position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1).view(1, extra)], dim=1)
-    return input_ids, position_ids, mask
+    next positions) that see the cached positions the last real row sees, and themselves; no real row sees them.
+    Their keys and values land past the step's own and are left outside the cache's length."""
+    batch, n = input_ids.shape
+    extra, cached = rows - n, mask.shape[-1] - n
+    lowest = torch.finfo(mask.dtype).min
+    padded = torch.full((batch, 1, rows, cached + rows), lowest, dtype=mask.dtype)
+    padded[..., :n, : cached + n] = mask
+    padded[..., n:, :cached] = mask[..., n - 1 : n, :cached]
+    padded[..., n:, cached + n :].diagonal(dim1=-2, dim2=-1).zero_()
+    input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(batch, extra)], dim=1)
+    steps = torch.arange(1, extra + 1).view(1, extra)
+    position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+    return input_ids, position_ids, padded
 
 
 class CompiledStep:
@@ -321,66 +330,62 @@ class CompiledStep:
 
         return forward
 
-    def graph_for(self, n: int) -> tuple[str, int]:
-        """(graph, rows it runs) for a step of n new tokens: 4+ run in `tree` as they are; 1-3 run in `few`, padded
-        to at least its two rows, where the stock kernel beats the packed one at that many rows here, else in
-        `tree`, padded to its four."""
+    def graph_for(self, n: int, batch: int = 1) -> tuple[str, int]:
+        """(graph, rows it runs) for a step of n new tokens a request: in `few`, padded to at least its two rows, for
+        one request's step of 1-3 tokens where the stock kernel beats the packed one at that many rows here; in `tree`
+        as it is otherwise (a batch's rows always)."""
         if self.four_bit:
             return "q4", max(n, GRAPHS["q4"][0])
-        smallest_tree = GRAPHS["tree"][0]
-        if n >= smallest_tree:
-            return "tree", n
         rows = max(n, GRAPHS["few"][0])
-        if self.dispatch is None or rows < self.dispatch.stock_rows:
+        if batch == 1 and n <= GRAPHS["few"][1] and (self.dispatch is None or rows < self.dispatch.stock_rows):
             return "few", rows
-        return "tree", smallest_tree
+        return "tree", n
 
     def eligible(self, input_ids, cache, kwargs) -> bool:
+        """A step the graphs take: [batch, n] new tokens (batch <= MAX_BATCH, n <= MAX_TREE_ROWS) over a cache whose
+        every layer is written in place (one request's, or the batch engine's rows) holding MIN_CACHED positions or
+        more, under no mask or a whole [batch or 1, 1, n, cached + n] one."""
         if (
             input_ids is None
             or input_ids.dim() != 2
-            or input_ids.shape[0] != 1
+            or not 1 <= input_ids.shape[0] <= MAX_BATCH
             or not 1 <= input_ids.shape[1] <= MAX_TREE_ROWS
         ):
             return False
-        if kwargs.get("inputs_embeds") is not None or not isinstance(cache, DynamicCache) or not cache.layers:
+        if kwargs.get("inputs_embeds") is not None or not isinstance(cache, Cache) or not cache.layers:
             return False
         layers = cache.layers
         if not (
-            all(type(layer) is InPlaceLayer and layer.storage is not None for layer in layers)
+            all(isinstance(layer, WrittenInPlace) and layer.storage is not None for layer in layers)
             and len({layer.length for layer in layers}) == 1
             and layers[0].length >= MIN_CACHED
+            and layers[0].storage[0].shape[0] == input_ids.shape[0]
         ):
             return False
-        # The graphs read only the new rows' block of a mask (every cached position visible): a mask that hides
-        # cached positions (a padded batch row, the regeneration's engine down to one row) runs eager.
-        mask = kwargs.get("attention_mask")
-        cached = layers[0].length
-        return mask is None or mask.dim() != 4 or mask.shape[-1] <= cached or not bool((mask[..., :cached] < 0).any())
+        mask, (batch, n) = kwargs.get("attention_mask"), input_ids.shape
+        return mask is None or (
+            mask.dim() == 4 and mask.shape[0] in (1, batch) and tuple(mask.shape[1:]) == (1, n, layers[0].length + n)
+        )
 
-    def __call__(self, input_ids, position_ids, attention_mask, cache: DynamicCache, output_hidden_states: bool):
-        """One step through the compiled graphs; the cache's in-place layers take the new positions."""
-        n, cached = input_ids.shape[1], cache.layers[0].length
+    def __call__(self, input_ids, position_ids, attention_mask, cache: Cache, output_hidden_states: bool):
+        """One step through the compiled graphs (its inputs as `eligible` takes them); the cache's layers take the new
+        positions in place, after the `length` they hold (every row's: the batch engine's rows of other lengths see
+        only their own positions through the mask)."""
+        (batch, n), cached = input_ids.shape, cache.layers[0].length
         dtype = next(self.model.parameters()).dtype  # the mask's (the q4 path's KV storage is float64)
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
         if attention_mask is None:  # a chain: causal among the new tokens
-            tree_mask = causal_block_mask(0, n, dtype, input_ids.device)
-        elif attention_mask.dim() == 4 and attention_mask.shape[-2:] == (n, cached + n):
-            tree_mask = attention_mask[..., cached:]
-        else:
-            raise SelfspecError(
-                f"compiled step: expected a [1, 1, {n}, {cached + n}] mask, got {tuple(attention_mask.shape)}"
-            )
-        kind, rows = self.graph_for(n)
+            attention_mask = causal_block_mask(cached, n, dtype, input_ids.device)
+        position_ids = position_ids.expand(batch, n)
+        mask = attention_mask.to(dtype).expand(batch, 1, n, cached + n)
+        kind, rows = self.graph_for(n, batch)
         if rows > n:
-            input_ids, position_ids, tree_mask = _padded(input_ids, position_ids, tree_mask, rows)
+            input_ids, position_ids, mask = _padded(input_ids, position_ids, mask, rows)
         for layer in cache.layers:
             layer.reserve(cached + rows)
         stores = ([layer.storage[0] for layer in cache.layers], [layer.storage[1] for layer in cache.layers])
-        logits, hidden = self.runners[kind](
-            input_ids, position_ids, tree_mask.to(dtype).contiguous(), torch.empty(0, cached), *stores
-        )
+        logits, hidden = self.runners[kind](input_ids, position_ids.contiguous(), mask.contiguous(), *stores)
         for layer in cache.layers:
             layer.mark_filled(cached + n)  # the dummy rows' keys and values stay outside the length
         return CausalLMOutputWithPast(

@@ -14,7 +14,16 @@ from ..tree_attention.cache import CompactsInPlace
 MIN_CAPACITY = 256  # positions reserved at first; storage then doubles past what is needed
 
 
-class InPlaceLayer(DynamicLayer, CompactsInPlace):
+class WrittenInPlace:
+    """What a cache layer offers a writer other than its own `update` (the compiled steps, compiled.py): `storage`,
+    (keys, values) each [batch, kv_heads, capacity, head_dim] or None before the first write; `length`, the positions
+    the next step's keys and values go after (every batch row's); `reserve(needed)`, room for `needed` positions
+    (read `storage` after it: it may be replaced); `mark_filled(end)`, positions [0, end) written. Two layers keep
+    it: one request's (InPlaceLayer) and the batch engine's, whose rows hold requests of other lengths
+    (batch/cache.py)."""
+
+
+class InPlaceLayer(DynamicLayer, CompactsInPlace, WrittenInPlace):
     """A full-attention cache layer whose keys and values live in storage reserved ahead (doubled when full): a step
     writes its positions in place, and `keys`/`values` are views of the filled prefix [0, length). Compaction
     (`keep`) and trimming (`truncate`) move or drop positions inside that storage."""

@@ -9,7 +9,8 @@ time. What verifying a bigger tree costs is the cost curve's: every drafter size
 calibrated scores, prompt lookup by its acceptance estimate), so pacing prices only what the curve cannot see, the
 drafting itself (`Drafter.drafting_seconds`: what the clock measured, unless the drafter knows better). A lookup
 costs nothing to speak of and is never paused; a layer-skip draft that costs as much as a plain step never pays and is
-paused for long stretches (its draft time is this wrapper's input, not a rule of its own).
+paused for long stretches (its draft time is this wrapper's input, not a rule of its own). Where B requests share each
+target step (the batch engine), a drafter's time delays all B: it is weighed B times (`share_steps`).
 
 Who holds what. Whoever keeps a drafter across requests keeps `paced(drafter)` (SelfSpec; the bench through it), so a
 pause and the plain-step estimate carry over to its next request; `speculative_generate` given a bare drafter paces it
@@ -90,6 +91,7 @@ class Paced(Drafter):
         self.measures_plain_step = plain_step is None
         self.plain_step = PlainStep() if plain_step is None else plain_step
         self.enabled = True
+        self.requests = 1  # requests whose steps its drafting delays (the batch engine's: share_steps)
         self.pause_left = 0  # steps of the current pause still to come; carried to the next request
         self.paused_steps = 0  # over the wrapper's life (DrafterStats.paused_steps)
         self._asked = False  # the drafter proposed the step's tree (not a pause)
@@ -151,7 +153,7 @@ class Paced(Drafter):
         self._asked, self._own_s = False, 0.0
         if observation.tree is None or not asked or not self.enabled or self.plain_step.seconds is None:
             return  # the prefill, a paused step, an unpaced request, or no plain step to weigh it against yet
-        self._window_cost += own_s / self.plain_step.seconds
+        self._window_cost += own_s * self.requests / self.plain_step.seconds
         self._window_earned += len(observation.accepted_path) - 1 if earned is None else earned
         self._window_steps += 1
         if self._window_steps == self.rule.window:
@@ -169,6 +171,13 @@ def paced(drafter: Drafter) -> Drafter:
     """`drafter` with its pacing, to keep across requests: itself where it is paced already (a Paced drafter, or a
     composite one whose sources are), else wrapped."""
     return drafter if _wrappers(drafter) else Paced(drafter)
+
+
+def share_steps(drafter: Drafter, requests: int) -> None:
+    """The drafter's request is verified in steps shared by `requests` requests (the batch engine's): its drafting
+    delays every one of them, so a plain step's worth of it costs `requests` tokens, not one."""
+    for wrapper in _wrappers(drafter):
+        wrapper.requests = requests
 
 
 @contextmanager

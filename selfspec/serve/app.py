@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import threading
 import time
@@ -241,14 +242,28 @@ def uvicorn_server(scheduler: Scheduler, served: ServedModel):
 
 
 def run(sock: socket.socket, scheduler: Scheduler, served: ServedModel) -> None:
-    """Serve on `sock` until interrupted (Ctrl-C, SIGTERM); the scheduler's running job is cancelled on the way out."""
+    """Serve on `sock` until interrupted (Ctrl-C, SIGTERM); the scheduler's running job is cancelled on the way out.
+    The HTTP server runs on a thread of its own and decoding on this one, the thread that loaded the model
+    (Scheduler.work_here says why)."""
     server = uvicorn_server(scheduler, served)
-    scheduler.start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="selfspec-http", daemon=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    thread.start()
     try:
-        server.run(sockets=[sock])
+        scheduler.work_here()
+    except KeyboardInterrupt:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         scheduler.close()
+        server.should_exit = True
+        thread.join(timeout=10)
         sock.close()
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM stops the server as Ctrl-C does."""
+    raise KeyboardInterrupt
 
 
 class ServerThread:
