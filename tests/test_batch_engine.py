@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
-from selfspec.batch.engine import batch_curve
-from selfspec.batch.pacing import FIRST_PAUSE, WINDOW, BatchPacing
+from selfspec.batch.pacing import FIRST_PAUSE, WINDOW, BatchPacing, batch_curve
 from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError

@@ -21,7 +21,6 @@ float32 rounding of products over more rows, as between a one-token step and a t
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from ..models import Target
 from ..sampling import SamplingConfig, StepDraws
 from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
 from .cache import RaggedCache
-from .pacing import BatchPacing
+from .pacing import BatchPacing, batch_curve
 
 # The row counts the target's forwards take come from a few sizes, not from every prompt length and tree size: the fast
 # path's linears run oneDNN kernels compiled for each row count and kept in caches of 256 entries (selfspec/memory.py),
@@ -417,15 +416,6 @@ def _histories(drafter: Drafter) -> list[HistoryDrafter]:
             found.append(part)
         stack += [part.drafter] if isinstance(part, Paced) else list(part.parts())
     return found
-
-
-@functools.lru_cache(maxsize=256)
-def batch_curve(curve: CostCurve, rows: int) -> CostCurve:
-    """The cost of one request's tree of n nodes in a step of `rows` requests padded to it: `curve` at rows * n over
-    `curve` at rows (every request's root), for the sizes `curve` has."""
-    sizes = curve.sizes
-    relative = tuple(round(curve.cost(rows * n) / curve.cost(rows), 4) for n in sizes)
-    return CostCurve(sizes, relative, source=f"{curve.source}, priced for {rows} requests")
 
 
 def _empty_stats(target: Target) -> GenerationStats:

@@ -1,7 +1,7 @@
-"""Whether drafting pays for a batch of requests, measured: the batch engine's pacing of its steps of several.
+"""Whether drafting pays for a batch of requests: trees priced for the batch, and the outcome measured.
 
 Each drafter is paced on its own (heads/paced.py) and sizes its tree by the cost of the whole batch's rows
-(engine.batch_curve). What neither sees is the step as a whole: every row is as wide as the widest tree, so one
+(`batch_curve`). What neither sees is the step as a whole: every row is as wide as the widest tree, so one
 request's tree makes all of them pay its width, and a drafter's estimate of its acceptance can be optimistic. So the
 engine measures the outcome. For each number of requests B it keeps the time of a plain step (every tree root-only)
 and, over windows of steps where some drafter drafted, the tokens those steps emitted and their time. A window whose
@@ -16,7 +16,10 @@ Speed only: a root-only tree is a step of plain decoding, so what each request e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from ..cost import CostCurve
 
 WINDOW = 8  # drafted steps a window weighs
 FIRST_PAUSE = 16  # steps paused after a first losing window; doubled for each losing window in a row
@@ -82,3 +85,12 @@ class BatchPacing:
             size.pause = min(MAX_PAUSE, 2 * size.pause or FIRST_PAUSE)
             self.paused_left = max(self.paused_left, size.pause)
         size.window_s, size.window_tokens, size.window_steps = 0.0, 0, 0
+
+
+@functools.lru_cache(maxsize=256)
+def batch_curve(curve: CostCurve, rows: int) -> CostCurve:
+    """The cost of one request's tree of n nodes in a step of `rows` requests padded to it: `curve` at rows * n over
+    `curve` at rows (every request's root), for the sizes `curve` has."""
+    sizes = curve.sizes
+    relative = tuple(round(curve.cost(rows * n) / curve.cost(rows), 4) for n in sizes)
+    return CostCurve(sizes, relative, source=f"{curve.source}, priced for {rows} requests")
