@@ -330,6 +330,35 @@ def test_a_switch_between_requests_keeps_each_request_on_one_path(compiled_targe
     assert list(first.token_ids) == reference and list(second.token_ids) == reference
 
 
+def test_the_batch_engine_takes_the_compiled_graphs_once_built_while_idle(compiled_target, tmp_path, monkeypatch):
+    """A server under `auto` with nothing stored: its engine decodes on `fast`, starts the build while idle, and takes
+    the graphs at an idle moment after they are stored (never with a request in flight); its slots' drafters then size
+    their trees by the compiled path's curve. Replies equal plain greedy decoding on both paths."""
+    target, _, _ = compiled_target
+    built = target.execution.compiled.directory
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv(COMPILE_ENV)
+    monkeypatch.setattr("selfspec.execution.selection.AUTO_MIN_WEIGHTS", 0)
+    started = []
+    spawn = lambda *args: started.append(args) or types.SimpleNamespace(pid=1)  # noqa: E731
+    monkeypatch.setattr(background_module, "spawn_compile", spawn)
+    auto = Target(model=target.model, tokenizer=None, name=target.name, path="auto", source="tiny").with_eos(())
+    engine = BatchEngine(auto, lambda: create_drafter("ngram", auto), slots=2)
+    engine.between_requests()
+    assert auto.execution.name == "fast" and len(started) == 1
+    reference = hf_greedy(target, LONG_PROMPT, 20, eos=-1)
+    engine.submit(BatchRequest(LONG_PROMPT, 20))
+    engine.step()
+    shutil.copytree(built, auto.execution.pending.directory, dirs_exist_ok=True)
+    engine.between_requests()  # a request in flight: no switch
+    assert auto.execution.name == "fast"
+    assert [list(result.token_ids) for result in engine.run()] == [reference]
+    engine.between_requests()
+    assert auto.execution.name == "compiled" and engine.drafters[0].cost_curve.source == "builtin (cpu-compiled)"
+    engine.submit(BatchRequest(LONG_PROMPT, 20))
+    assert [list(result.token_ids) for result in engine.run()] == [reference]
+
+
 def test_the_compile_command_builds_the_graphs_ahead(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     assert main(["compile", "--model", str(tiny_checkpoint)]) == 0

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..cost import CostCurve
+from ..cost import CostCurve, current_cost_curve
 from ..decoding import GenerationStats, validate_request
 from ..errors import SelfspecError
 from ..heads.base import Drafter, DraftRequest, Observation
@@ -199,6 +199,18 @@ class BatchEngine:
             self.drafters[slot] = paced(drafter)
             self.own_curves[slot] = drafter.cost_curve
         return self.drafters[slot]
+
+    def between_requests(self) -> None:
+        """While no request is in flight (the server calls it before it waits for one): the path may take its compiled
+        graphs now (a background build finished) or start building them (ExecutionPath.between_requests), and the
+        slots' drafters then size their trees by that path's curve."""
+        if self.busy:
+            return
+        if self.target.execution.between_requests():
+            curve = current_cost_curve(self.target)
+            for slot, drafter in enumerate(self.drafters):
+                if drafter is not None:
+                    drafter.cost_curve = self.own_curves[slot] = curve
 
     def _admit(self) -> None:
         busy = {running.slot for running in self.running} | {prefill.slot for prefill in self.prefilling}

@@ -138,6 +138,8 @@ class Scheduler:
     def _take_jobs(self) -> bool:
         """Move queued jobs to the engine: waiting for one while nothing is in flight. False once closed."""
         while True:
+            if not self.engine.busy and self.jobs.empty():
+                self.engine.between_requests()  # the compiled graphs: build them, or take them once built
             try:
                 job = self.jobs.get(block=not self.engine.busy)
             except queue.Empty:
