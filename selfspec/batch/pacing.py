@@ -5,9 +5,9 @@ Each drafter is paced on its own (heads/paced.py) and sizes its tree by the cost
 request's tree makes all of them pay its width, and a drafter's estimate of its acceptance can be optimistic. So the
 engine measures the outcome. For each number of requests B it keeps the time of a plain step (every tree root-only)
 and, over windows of steps where some drafter drafted, the tokens those steps emitted and their time. A window whose
-rate (tokens a second) fell below B plain tokens per plain step pauses drafting for that batch size (root-only trees,
-without asking the drafters) for a number of steps that doubles with each losing window in a row, up to MAX_PAUSE;
-a window that paid asks again at once. Steps where every drafter declined on its own are plain steps too, and the
+rate (tokens a second) was not at least MARGIN times B plain tokens per plain step pauses drafting for that batch size
+(root-only trees, without asking the drafters) for a number of steps that doubles with each losing window, up to
+MAX_PAUSE; a window that paid asks again at once and halves the next pause. Steps where every drafter declined on its own are plain steps too, and the
 next ones ask none of them (1, 2, 4 ... up to MAX_IDLE steps): asking costs a lookup or a merge a request for nothing.
 
 Speed only: a root-only tree is a step of plain decoding, so what each request emits does not change. A request alone
@@ -26,6 +26,7 @@ FIRST_PAUSE = 16  # steps paused after a first losing window; doubled for each l
 MAX_PAUSE = 512
 MAX_IDLE = 8  # the most steps asking no drafter after a step where none drafted
 PLAIN_DECAY = 0.8  # weight of the older plain steps in a batch size's plain-step time
+MARGIN = 1.05  # a window pays only this far above the plain rate: a draw within the noise is not a gain
 
 
 @dataclass
@@ -78,9 +79,9 @@ class BatchPacing:
             self.paused_left = max(self.paused_left, 2)
             size.window_s, size.window_tokens, size.window_steps = 0.0, 0, 0
             return
-        paid = size.window_tokens / size.window_s >= rows / size.plain_s
+        paid = size.window_tokens / size.window_s >= MARGIN * rows / size.plain_s
         if paid:
-            size.pause = 0
+            size.pause //= 2
         else:
             size.pause = min(MAX_PAUSE, 2 * size.pause or FIRST_PAUSE)
             self.paused_left = max(self.paused_left, size.pause)
