@@ -3,7 +3,9 @@
     python scripts/soak_serve.py [--requests 2000] [--clients 4] [--max-tokens 24] [--out runs/serve-soak]
 
 The server (uvicorn and the batch scheduler, as `selfspec serve` runs them) runs in threads of this process on the
-default model with `auto`, on the fast path (no compiling: $SELFSPEC_COMPILE=0), and --clients client processes send
+default model with `auto`, on --path (default fast; compiled reads stored graphs; no compiling here:
+$SELFSPEC_COMPILE=0; decoding on a thread runs slower than `selfspec serve` does on its main thread: memory is what
+this measures), and --clients client processes send
 it chat requests over loopback HTTP, one at a time each: the held-out MT-bench, HumanEval and ShareGPT prompts in turn,
 --max-tokens each, prompts of even index greedy and the others sampled (T = 0.8, top-p 0.95, seed = the prompt's index),
 every third request streamed. Requests go in rounds of --every; after each round, with nothing in flight, the process's
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--drafter", default="auto")
-    parser.add_argument("--path", default="fast", help="the execution path (fast: the eager steps the server runs)")
+    parser.add_argument("--path", default="fast", help="fast (eager steps) or compiled (stored graphs)")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--clients", type=int, default=4, help="client processes, one request in flight each")
     parser.add_argument("--requests", type=int, default=2000)

@@ -7,8 +7,9 @@ engine measures the outcome. For each number of requests B it keeps the time of 
 and, over windows of steps where some drafter drafted, the tokens those steps emitted and their time. A window whose
 rate (tokens a second) was not at least MARGIN times B plain tokens per plain step pauses drafting for that batch size
 (root-only trees, without asking the drafters) for a number of steps that doubles with each losing window, up to
-MAX_PAUSE; a window that paid asks again at once and halves the next pause. Steps where every drafter declined on its own are plain steps too, and the
-next ones ask none of them (1, 2, 4 ... up to MAX_IDLE steps): asking costs a lookup or a merge a request for nothing.
+MAX_PAUSE; a window that paid asks again at once and halves the next pause. Steps where every drafter declined on its
+own are plain steps too, and the next ones ask none of them (1, 2, 4 ... up to MAX_IDLE steps): asking costs a lookup
+or a merge a request for nothing.
 
 Speed only: a root-only tree is a step of plain decoding, so what each request emits does not change. A request alone
 (B = 1) is left to its drafter's own pacing, as `SelfSpec` runs it.
