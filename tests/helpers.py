@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import torch
@@ -533,3 +535,8 @@ def model_as_made(model: torch.nn.Module) -> dict:
         "config": (id(model.config), model.config.to_json_string()),
         "instance forward": [name for name, module in model.named_modules() if "forward" in vars(module)],
     }
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`selfspec ARGS...` in a fresh process, as a user runs it: its exit code, stdout and stderr as text."""
+    return subprocess.run([sys.executable, "-m", "selfspec.cli", *args], capture_output=True, text=True, env=env)

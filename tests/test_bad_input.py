@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from selfspec.execution import compile_support, detect_capabilities
 from selfspec.heads import create_drafter
 from selfspec.models import default_gguf_file
 
-from .helpers import make_tiny_target
+from .helpers import make_tiny_target, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +97,7 @@ def test_cli_missing_model_and_corrupt_file(tmp_path, tiny_checkpoint, capsys):
 
 
 def test_cli_process_exits_nonzero_without_traceback(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "selfspec.cli", "generate", "--model", str(tmp_path / "x"), "--prompt", "hi"],
-        capture_output=True,
-        text=True,
-    )
+    run = run_cli("generate", "--model", str(tmp_path / "x"), "--prompt", "hi")
     assert run.returncode == 2
     assert "Traceback" not in run.stderr and run.stderr.strip().startswith("selfspec: error:")
 
@@ -201,23 +195,7 @@ def test_a_new_user_with_a_long_prompt_sees_the_error_alone(tiny_checkpoint, tmp
     would print and store something; only the error comes."""
     env = {**os.environ, "SELFSPEC_CACHE": str(tmp_path), "SELFSPEC_AUTO_PROFILE": "1"}
     env.pop("SELFSPEC_STOCK_ROWS")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "selfspec.cli",
-            "generate",
-            "--model",
-            str(tiny_checkpoint),
-            "--path",
-            "fast",
-            "--prompt",
-            LONG_PROMPT,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    run = run_cli("generate", "--model", str(tiny_checkpoint), "--path", "fast", "--prompt", LONG_PROMPT, env=env)
     assert (
         run.returncode == 2 and run.stderr.startswith("selfspec: error:") and len(run.stderr.strip().splitlines()) == 1
     )

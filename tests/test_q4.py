@@ -3,9 +3,6 @@ depend on how many rows a call has), loaded without a float32 copy of the decode
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,7 +13,7 @@ from selfspec.execution.attention import FLOAT64_SDPA, float64_sdpa_attention
 from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
 from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
 
-from .helpers import PROMPT, make_tiny_target, plain_greedy, without_eos
+from .helpers import PROMPT, make_tiny_target, plain_greedy, run_cli, without_eos
 
 ROWS = 16
 
@@ -122,22 +119,7 @@ def test_paths_and_four_bit_models_that_do_not_go_together():
 
 
 def test_q4_on_a_checkpoint_directory_is_one_line(tiny_checkpoint):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "selfspec.cli",
-            "generate",
-            "--model",
-            str(tiny_checkpoint),
-            "--path",
-            "q4",
-            "--prompt",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    done = run_cli("generate", "--model", str(tiny_checkpoint), "--path", "q4", "--prompt", "hi")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"selfspec: error: --path q4 reads a GGUF file's 4-bit blocks: '{tiny_checkpoint}' is not a .gguf file"
@@ -188,8 +170,6 @@ def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q
 
 
 def test_serve_refuses_q4_before_loading_anything():
-    done = subprocess.run(
-        [sys.executable, "-m", "selfspec.cli", "serve", "--path", "q4", "--port", "0"], capture_output=True, text=True
-    )
+    done = run_cli("serve", "--path", "q4", "--port", "0")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert "not checked yet against `generate --path q4`" in done.stderr
