@@ -384,7 +384,8 @@ class CompiledStep:
             input_ids, position_ids, mask = _padded(input_ids, position_ids, mask, rows)
         for layer in cache.layers:
             layer.reserve(cached + rows)
-        stores = ([layer.storage[0] for layer in cache.layers], [layer.storage[1] for layer in cache.layers])
+        keys, values = zip(*(layer.storage for layer in cache.layers), strict=True)  # each layer's storage, read once
+        stores = (list(keys), list(values))
         logits, hidden = self.runners[kind](input_ids, position_ids.contiguous(), mask.contiguous(), *stores)
         for layer in cache.layers:
             layer.mark_filled(cached + n)  # the dummy rows' keys and values stay outside the length
