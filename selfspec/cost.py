@@ -37,8 +37,8 @@ _BUILTIN = {
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Raised when an execution path's step costs change shape, so that curves measured before are measured again (a path
 # not named here is at 1). compiled 2: steps of 1-3 tokens go to the graph the row split favours (compiled.py);
-# 3: `tree` takes them unpadded.
-PATH_REVISIONS = {"compiled": 3}
+# 3: `tree` takes them unpadded; 4 (and fast 2): steps below the row split on selfspec's small-row kernel.
+PATH_REVISIONS = {"compiled": 4, "fast": 2}
 
 
 @dataclass(frozen=True)

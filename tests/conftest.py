@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import selfspec.training.data.sharegpt as sharegpt_module
+from selfspec.execution import small_rows
 from selfspec.files import cache_root
 from selfspec.models import Target
 
@@ -36,6 +37,9 @@ if "SELFSPEC_SUITE_CACHE" not in os.environ:
     _models.mkdir(parents=True, exist_ok=True)
     (_suite_cache / "models").symlink_to(_models.resolve(), target_is_directory=True)
     os.environ["SELFSPEC_CACHE"] = os.environ["SELFSPEC_SUITE_CACHE"] = str(_suite_cache)
+    # selfspec's small-row kernel, built once for the whole suite (a test with a cache of its own would build it again)
+    os.environ["SELFSPEC_KERNELS"] = str(_suite_cache / "kernels")
+    small_rows.load(build_missing=True)  # before the workers start: every test sees the same kernels
     atexit.register(shutil.rmtree, _suite_cache, True)
 
 RECORDS = 100  # fake ShareGPT records; the held-out split is the last 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import types
+import zipfile
 from dataclasses import replace
 
 import pytest
@@ -67,11 +68,11 @@ def compiled_target(tmp_path_factory):
     patch.undo()
 
 
-@pytest.mark.parametrize("stock_rows, small_graph", [(8, "few"), (2, "tree")])
+@pytest.mark.parametrize("stock_rows, small_graph", [(8, "few"), (1, "tree")])
 def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, monkeypatch, stock_rows, small_graph):
     """A one-token, a two-token and a 7-token step give the fast path's logits, hidden states and cache. Steps of 1-3
-    tokens run in `few` where the stock kernel wins at their rows (`stock_rows` past them), else in `tree`, padded
-    with dummy rows that no real row sees."""
+    tokens run in `few` (every product on selfspec's small-row kernel) where that kernel wins at their rows
+    (`stock_rows` past them), else in `tree`."""
     target, _, messages = compiled_target
     assert target.execution.name == "compiled" and sum("compiling" in message for message in messages) == 2
     step = target.execution.compiled
@@ -195,7 +196,7 @@ def test_the_batch_engine_verifies_its_requests_in_one_compiled_step(compiled_ta
     assert max(batches) == 3
 
 
-@pytest.mark.parametrize("stock_rows", [8, 2])  # one-token steps in `few`, or in `tree` padded
+@pytest.mark.parametrize("stock_rows", [8, 1])  # steps of 1-3 tokens in `few`, or in `tree`
 def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_path, monkeypatch, stock_rows):
     target, _, _ = compiled_target
     monkeypatch.setattr(target.execution.compiled.dispatch, "stock_rows", stock_rows)
@@ -208,6 +209,7 @@ def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_p
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma"])
 def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SELFSPEC_STOCK_ROWS", "1")  # every step in `tree` (`few` is covered on llama)
     base = without_eos(make_tiny_target(family, max_position_embeddings=512))
     target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
     target.execution.compiled.log = lambda message: None
@@ -216,16 +218,16 @@ def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family
         tokens, _ = speculative_generate(target, create_drafter(spec, target), torch.tensor(LONG_PROMPT), 30)
         assert list(tokens) == reference, f"{family} {spec}"
     assert target.execution.name == "compiled" and set(target.execution.compiled.runners) == {"tree"}
-    # The suite's row split (2) sends no step to `few`: it is not built.
+    # A row split at one row sends no step to `few`: it is not built.
     assert sorted(path.name for path in target.execution.compiled.directory.glob("*.pt2")) == ["tree.pt2"]
 
 
-@pytest.mark.parametrize("family, stock_rows", [("llama", "2"), ("qwen3", "2"), ("llama", "8")])
+@pytest.mark.parametrize("family, stock_rows", [("llama", "1"), ("qwen3", "1"), ("llama", "8")])
 def test_sampling_through_the_compiled_path_follows_the_target_distribution(
     compiled_target, family, stock_rows, monkeypatch
 ):
     """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled; steps of
-    1-3 tokens in `tree`, padded (a row split at 2), or in `few` (at 8)."""
+    1-3 tokens in `tree` (a row split at 1), or in `few` (at 8)."""
     monkeypatch.setenv("SELFSPEC_STOCK_ROWS", stock_rows)
     target = chi_target(path="compiled", family=family)
     target.execution.compiled.log = lambda message: None
@@ -244,6 +246,9 @@ def test_packages_are_compiled_once_and_then_loaded(compiled_target):
     target, cache, _ = compiled_target
     stored = sorted(path.name for path in compiled_module.package_dir(target.model, target.name).iterdir())
     assert stored == ["few.pt2", "tree.pt2"]  # and no temporary file left, here or beside another model's
+    with zipfile.ZipFile(compiled_module.package_dir(target.model, target.name) / "few.pt2") as package:
+        wrapper = next(name for name in package.namelist() if name.endswith("wrapper.json"))
+        assert b"small_rows" in package.read(wrapper)  # `few`'s products call selfspec's kernel
     assert not [path for path in (cache / "compiled").rglob("*") if path.name.startswith(".")]
     messages = []
     again = CompiledStep(target.model, target.name, log=messages.append)
@@ -363,8 +368,9 @@ def test_the_compile_command_builds_the_graphs_ahead(tiny_checkpoint, tmp_path, 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     assert main(["compile", "--model", str(tiny_checkpoint)]) == 0
     out = capsys.readouterr().out
-    assert "graphs tree (row split at 2)" in out and "building tree" in out and "done in" in out
+    # the suite's split sends one-token steps to the small-row kernel, so `few` is built too
+    assert "graphs few, tree (row split at 2)" in out and "building few, tree" in out and "done in" in out
     (directory,) = (tmp_path / "compiled").iterdir()
-    assert sorted(path.name for path in directory.glob("*.pt2")) == ["tree.pt2"]
+    assert sorted(path.name for path in directory.glob("*.pt2")) == ["few.pt2", "tree.pt2"]
     assert main(["compile", "--model", str(tiny_checkpoint)]) == 0  # stored: loaded, nothing built
     assert "all stored already" in capsys.readouterr().out

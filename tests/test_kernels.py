@@ -27,6 +27,7 @@ from selfspec.execution import (
     SharedInputProduct,
     packed_linear,
 )
+from selfspec.execution import small_rows as small_rows_module
 from selfspec.heads import create_drafter
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
@@ -124,7 +125,7 @@ def test_the_stock_row_split_is_measured_once_per_machine_and_stored(tmp_path, m
     with target.execution.active():
         pass
     measured = target.execution.dispatch
-    stored = list((tmp_path / "profiles").glob("*--stock-rows.json"))
+    stored = list((tmp_path / "profiles").glob("*-rows.json"))
     assert measured.source.startswith("measured") and len(stored) == 1
     report = json.loads(stored[0].read_text())
     assert report["stock_rows"] == measured.stock_rows and 1 <= measured.stock_rows <= max(CALIBRATION_ROWS) + 1
@@ -288,7 +289,7 @@ def test_profile_recalibrate_measures_the_row_split_anew(tiny_checkpoint, capsys
     args = ["profile", "--model", str(tiny_checkpoint), "--cache-length", "8", "--repeats", "1", "--json"]
     assert main(args) == 0
     capsys.readouterr()
-    (stored,) = (tmp_path / "cache" / "profiles").glob("*--stock-rows.json")
+    (stored,) = (tmp_path / "cache" / "profiles").glob("*-rows.json")
     stored.write_text(json.dumps({"stock_rows": 99}))  # a wrong verdict, as a loaded moment can leave
     assert main(args) == 0 and json.loads(capsys.readouterr().out)["fast_stock_rows"] == 99
     assert main([*args, "--recalibrate"]) == 0
@@ -333,7 +334,7 @@ def test_a_row_split_measured_on_a_busy_machine_is_used_once_and_not_stored(tmp_
     with quiet.active():
         pass
     assert len(tries) == 4 and quiet.dispatch.source.startswith("measured, stored")
-    assert json.loads(next((tmp_path / "profiles").glob("*--stock-rows.json")).read_text())["stock_rows"] == 4
+    assert json.loads(next((tmp_path / "profiles").glob("*-rows.json")).read_text())["stock_rows"] == 4
 
 
 def test_a_curve_measured_on_a_busy_machine_is_not_stored(tmp_path, monkeypatch, capsys):
@@ -375,21 +376,25 @@ def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
     assert len(stored) == 2 and stored[1].endswith("--stock.json")
 
 
-def test_small_compiled_steps_take_the_graph_the_row_split_favours():
-    """Steps of 1-3 tokens run in `few` (MKL's kernel, at least two rows) only while the stock kernel wins at their
-    padded rows, else in `tree` as they are; 4+ always in `tree`, and so does a batch of requests' rows. The graphs
+@pytest.mark.parametrize("kernel", [True, False])
+def test_small_compiled_steps_take_the_graph_the_row_split_favours(kernel, monkeypatch):
+    """Steps of 1-3 tokens run in `few` (selfspec's small-row kernel) as they are, only where that kernel is loaded and
+    wins at their rows, else in `tree`; 4+ always in `tree`, and so does a batch of requests' rows. The graphs
     themselves: test_compiled."""
+    monkeypatch.setattr(small_rows_module, "loaded", lambda: kernel)
     expected = {
         1: [("tree", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # the packed kernel wins from one row
-        2: [("tree", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # from two (the AVX2 EPYC)
-        3: [("few", 2), ("few", 2), ("tree", 3), ("tree", 4), ("tree", 9)],
-        4: [("few", 2), ("few", 2), ("few", 3), ("tree", 4), ("tree", 9)],  # the Xeon
+        2: [("few", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],
+        3: [("few", 1), ("few", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # the AVX-512 EPYC
+        4: [("few", 1), ("few", 2), ("few", 3), ("tree", 4), ("tree", 9)],
     }
     for stock_rows, graphs in expected.items():
         step = CompiledStep(torch.nn.Linear(1, 1), "m", dispatch=RowDispatch(stock_rows))
-        assert [step.graph_for(n) for n in (1, 2, 3, 4, 9)] == graphs, stock_rows
+        want = graphs if kernel else [("tree", n) for n in (1, 2, 3, 4, 9)]
+        assert [step.graph_for(n) for n in (1, 2, 3, 4, 9)] == want, stock_rows
         assert [step.graph_for(n, batch=3) for n in (1, 2, 9)] == [("tree", 1), ("tree", 2), ("tree", 9)]
-    assert CompiledStep(torch.nn.Linear(1, 1), "m").graph_for(1) == ("few", 2)  # no split measured: as before
+    no_split = CompiledStep(torch.nn.Linear(1, 1), "m").graph_for(1)
+    assert no_split == (("few", 1) if kernel else ("tree", 1))  # no split measured: wherever the kernel is
 
 
 def test_a_curve_measured_on_an_older_revision_of_its_path_is_not_read(tmp_path, monkeypatch):
@@ -398,11 +403,12 @@ def test_a_curve_measured_on_an_older_revision_of_its_path_is_not_read(tmp_path,
     not change read their old files as before."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     curve = CostCurve((1, 4, 16), (1.0, 1.1, 1.5), source="test")
-    for kernels in ("compiled", "fast"):
+    for kernels in ("compiled", "fast", "stock"):
         profile_path("cpu", "m", kernels).parent.mkdir(parents=True, exist_ok=True)
         profile_path("cpu", "m", kernels).write_text(json.dumps(curve.to_dict()))  # as stored before revisions
     assert load_cost_curve("cpu", "m", "compiled").source == "builtin (cpu-compiled)"
-    assert load_cost_curve("cpu", "m", "fast").relative_cost == curve.relative_cost
+    assert load_cost_curve("cpu", "m", "fast").source == "builtin (cpu-fast)"  # its small steps changed kernel
+    assert load_cost_curve("cpu", "m", "stock").relative_cost == curve.relative_cost
     save_cost_curve(curve, "cpu", "m", "compiled")
     assert load_cost_curve("cpu", "m", "compiled").relative_cost == curve.relative_cost
 

@@ -208,7 +208,8 @@ def _profile(args) -> None:
     if split:
         dispatch = paths["fast"].dispatch
         print(
-            f"fast path: linear layers take the stock kernel below {dispatch.stock_rows} rows, the packed one from "
+            f"fast path: linear layers take the {'small-row' if dispatch.kernel == 'small' else 'stock'} kernel below "
+            f"{dispatch.stock_rows} rows, the packed one from "
             f"there on ({dispatch.source})"
         )
     if target.execution.pending is not None:

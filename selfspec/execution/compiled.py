@@ -4,15 +4,14 @@ On a CPU the fast path's eager forward spends a third of a one-token step outsid
 ops a forward, each paying PyTorch's dispatch and Python's call overhead. `torch.export` traces the stock
 transformers forward (no modelling code is copied) into one graph; AOTInductor fuses the element-wise ops into C++
 loops and compiles it into a shared library that any later process loads in about a second. Two graphs:
-- `few`: 2-3 new tokens, its products on MKL's stock kernel, which on some CPUs streams the weights as fast as memory
-  allows at so few rows. A one-token step runs here too, with a second, dummy row that sees only itself (it costs
-  about nothing: the weights are read once either way) and whose key and value are left outside the cache's length.
-  Compiled without its weights, it reads the model's own parameters (shared, not copied).
+- `few`: 1-3 new tokens, traced with every product on selfspec's small-row kernel (small_rows.py: the operator
+  `selfspec::small_rows`, which streams each weight as stored at the speed memory allows). Compiled without its
+  weights, it reads the model's own parameters (shared, not copied). Built only where that kernel is.
 - `tree`: 1-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
   once for small row counts (that packed copy lives in the package).
-A step of 1-3 tokens goes to `few` only where the stock kernel beats the packed one at that many rows on this machine
-(the fast path's row split, `RowDispatch.stock_rows`, measured once per machine); elsewhere (the AVX2 EPYC, whose MKL
-takes 2.3x the packed kernel's time at two rows) it runs in `tree` as it is.
+A step of 1-3 tokens goes to `few` only where the small-row kernel beats the packed one at that many rows on this
+machine (the fast path's row split, `RowDispatch.stock_rows`, measured once per machine with that kernel loaded);
+elsewhere it runs in `tree` as it is.
 Every graph takes a batch: B rows of n new tokens, each row under its own whole mask over the cached positions and the
 new ones. One request is B = 1; the batch engine (selfspec/batch) verifies its requests' trees as B rows of a ragged
 cache, each row's mask showing it its own prefix and ancestors, in `tree`. The step's keys and values are written in
@@ -30,6 +29,7 @@ cache, other cache kinds) run the eager path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -46,6 +46,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..errors import SelfspecError
 from ..files import cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
+from . import small_rows
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP
@@ -54,10 +55,10 @@ MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards r
 MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batch engine's); more run eager
 # graph -> the new tokens a row it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others
 # float32's
-GRAPHS = {"few": (2, 3), "tree": (1, MAX_TREE_ROWS), "q4": (2, MAX_TREE_ROWS)}
+GRAPHS = {"few": (1, 3), "tree": (1, MAX_TREE_ROWS), "q4": (2, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 4  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+PACKAGE_FORMAT = 5  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 
 
@@ -110,6 +111,17 @@ class _StoreLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.cached
+
+
+class _SmallRowProducts(torch.overrides.TorchFunctionMode):
+    """While `few` is traced: every linear product of the stock modules is recorded as selfspec's small-row operator
+    (small_rows.py) instead of aten.linear (the model's code and modules are left as they are)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            return small_rows.linear(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 class _Step(torch.nn.Module):
@@ -192,7 +204,8 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
             # get through transformers' cache objects.
             if on_stage is not None:
                 on_stage(kind, "export")
-            program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
+            with _SmallRowProducts() if kind == "few" else contextlib.nullcontext():
+                program = torch.export.export(_Step(model), example, dynamic_shapes=shapes, strict=False)
             if on_stage is not None:
                 on_stage(kind, "compile")
             torch._inductor.aoti_compile_and_package(program, package_path=str(temp), inductor_configs=options)
@@ -232,7 +245,8 @@ class CompiledStep:
         four_bit: bool = False,
     ):
         """dispatch: the fast path's row split, which decides the graph of a 1-3 token step (`graph_for`); without
-        one, such steps take `few`. four_bit: the q4 path's step (graph `q4`), `model` being its twin."""
+        one, such steps take `few` wherever the small-row kernel is loaded. four_bit: the q4 path's step (graph
+        `q4`), `model` being its twin."""
         self.model, self.model_name, self.dispatch, self.four_bit = model, model_name, dispatch, four_bit
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
@@ -247,11 +261,12 @@ class CompiledStep:
         return self._directory
 
     def graphs_needed(self) -> tuple[str, ...]:
-        """The graphs `graph_for` can send a step to under this row split: `few` only where the stock kernel wins at
-        its two rows (a machine where the packed kernel wins from two rows on would compile it for nothing)."""
+        """The graphs `graph_for` can send a step to under this row split: `few` only where the small-row kernel is
+        loaded and wins at one row (a machine where the packed kernel wins from one row on would compile it for
+        nothing)."""
         if self.four_bit:
             return ("q4",)
-        uses_few = self.dispatch is None or self.graph_for(1)[0] == "few"
+        uses_few = self.graph_for(1)[0] == "few"
         return tuple(kind for kind in ("few", "tree") if kind != "few" or uses_few)
 
     def missing(self) -> list[str]:
@@ -331,14 +346,18 @@ class CompiledStep:
         return forward
 
     def graph_for(self, n: int, batch: int = 1) -> tuple[str, int]:
-        """(graph, rows it runs) for a step of n new tokens a request: in `few`, padded to at least its two rows, for
-        one request's step of 1-3 tokens where the stock kernel beats the packed one at that many rows here; in `tree`
-        as it is otherwise (a batch's rows always)."""
+        """(graph, rows it runs) for a step of n new tokens a request: in `few` for one request's step of 1-3 tokens
+        where the small-row kernel is loaded and beats the packed one at that many rows here (without a row split:
+        wherever it is loaded); in `tree` otherwise (a batch's rows always)."""
         if self.four_bit:
             return "q4", max(n, GRAPHS["q4"][0])
-        rows = max(n, GRAPHS["few"][0])
-        if batch == 1 and n <= GRAPHS["few"][1] and (self.dispatch is None or rows < self.dispatch.stock_rows):
-            return "few", rows
+        if (
+            batch == 1
+            and n <= GRAPHS["few"][1]
+            and small_rows.loaded()
+            and (self.dispatch is None or n < self.dispatch.stock_rows)
+        ):
+            return "few", n
         return "tree", n
 
     def eligible(self, input_ids, cache, kwargs) -> bool:

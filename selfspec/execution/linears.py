@@ -6,8 +6,9 @@ over a small tree costs well above a one-token step although it reads the same w
 once, the GEMM for 16 rows reads them as one row does. Projections that read the same input (a layer's q, k and v)
 run as one GEMM over their concatenated weights. The packed modules share the stock modules' weights and stand in
 for them in the path's twin of the model (twin.py): the model itself keeps its stock modules. Below a row count
-measured once per machine (`RowDispatch`, calibration.py) they call the stock kernel instead: on some CPUs it beats
-the packed one at a few rows, on others it never does (docs/execution.md).
+measured once per machine (`RowDispatch`, calibration.py) they call the row split's unpacked kernel instead: selfspec's
+own small-row product where it is built (small_rows.py), else PyTorch's stock one (MKL's gemv or GEMM); at one row or
+a few it streams the weight faster than the packed GEMM (docs/execution.md).
 """
 
 from __future__ import annotations
@@ -22,13 +23,26 @@ SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"),)
 
 
 class RowDispatch:
-    """Which kernel the fast path's linear layers call for an input of r rows: the stock one (MKL's gemv or GEMM) when
-    r < `stock_rows`, the packed oneDNN one otherwise. One object is shared by every packed module of a path (the
-    target's and its drafters'), so one measurement sets them all."""
+    """Which kernel the fast path's linear layers call for an input of r rows: the unpacked one (`stock`: selfspec's
+    small-row product where it is loaded, else PyTorch's F.linear) when r < `stock_rows`, the packed oneDNN one
+    otherwise. One object is shared by every packed module of a path (the target's and its drafters'), so one
+    measurement sets them all."""
 
     def __init__(self, stock_rows: int = 1):
         self.stock_rows = stock_rows
         self.source = "default"  # where stock_rows came from: default, env, measured, or the cached file
+        self.stock = F.linear  # (input, weight, bias) -> output: the kernel below the split (use_small_rows)
+
+    def use_small_rows(self) -> None:
+        """Take selfspec's small-row product (loaded: small_rows.load) as the kernel below the split."""
+        from . import small_rows
+
+        self.stock = small_rows.linear
+
+    @property
+    def kernel(self) -> str:
+        """The unpacked kernel's name (for reports and the calibration's key)."""
+        return "stock" if self.stock is F.linear else "small"
 
     def use_stock(self, hidden: torch.Tensor) -> bool:
         return hidden.numel() < self.stock_rows * hidden.shape[-1]  # rows = numel / in_features
@@ -62,7 +76,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dispatch.use_stock(hidden):
-            return F.linear(hidden, self.weight, self.bias)
+            return self.dispatch.stock(hidden, self.weight, self.bias)
         return packed_linear(hidden, self.packed, self._bias, self.out_features)
 
 
@@ -87,7 +101,7 @@ class SharedInputProduct:
 
     def output(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         if self.dispatch.use_stock(hidden):  # each member on its own, as stock
-            return F.linear(hidden, self.layers[index].weight, self.layers[index].bias)
+            return self.dispatch.stock(hidden, self.layers[index].weight, self.layers[index].bias)
         if self.input is not hidden or self.outputs[index] is None:
             full = packed_linear(hidden, self.packed, self.bias, self.out_features)
             self.input, self.outputs = hidden, [full[..., start:end] for start, end in self.bounds]

@@ -3,7 +3,8 @@ decoding loop and every drafter that runs the target's layers call. The model ob
 stay as transformers made them; `active()` marks a generation, so that the path cannot change under it.
 
 On `fast`, `forward` runs the path's twin of the model (twin.py: its own modules and config, the same weights), whose
-linear layers are packed ones (linears.py, their row split calibrated once per machine: calibration.py) and whose
+linear layers are packed ones (linears.py, below their row split calibrated once per machine (calibration.py) on
+selfspec's small-row product where it is built: small_rows.py) and whose
 `sdpa` attention is the grouped-head SDPA (attention.py, set through `set_attn_implementation`); `new_cache` gives the
 KV cache written in place (kv_storage.py). On `compiled`, `forward` sends the decoding steps to the compiled graphs
 (compiled.py) and anything else (prefill) to the twin. On `q4` (a model loaded with 4-bit linears, q4.py), the twin
@@ -26,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import SelfspecError, first_line
+from . import small_rows
 from .attention import FLOAT64_SDPA, GROUPED_SDPA
 from .background import BackgroundBuild
 from .calibration import calibrate
@@ -96,6 +98,13 @@ class ExecutionPath:
         else:
             if attention == "sdpa":
                 twin.set_attn_implementation(GROUPED_SDPA)
+            # selfspec's small-row product below the split: loaded where stored, built (seconds) where the path was
+            # named; under `auto` the background build makes it for the next process (small_rows.py)
+            weight = next(self.model.parameters())
+            if (weight.device.type, weight.dtype) == ("cpu", torch.float32) and small_rows.load(
+                build_missing=self.compile_mode == "wait"
+            ):
+                self.dispatch.use_small_rows()
             calibrate(self.dispatch, pack_linears(twin, self.dispatch), remeasure=self.recalibrate)
         return twin
 

@@ -1,0 +1,89 @@
+"""selfspec's small-row product (selfspec/execution/small_rows.cpp): built once per machine, it computes x W^T + b
+as a float64 reference does (to float32 rounding), each row the same whatever the row count of the call, and leaves
+what it does not handle to PyTorch's own product; the fast path's linear layers take it below their row split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.execution import ExecutionPath, PackedLinear, RowDispatch, compile_support, detect_capabilities
+from selfspec.execution import small_rows as small_rows_module
+
+from .helpers import make_tiny_target
+
+pytestmark = pytest.mark.skipif(
+    not compile_support(detect_capabilities())[0], reason=compile_support(detect_capabilities())[1]
+)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert small_rows_module.load(build_missing=True), "the small-row kernel did not build"
+    return small_rows_module.linear
+
+
+@pytest.mark.parametrize(
+    "rows, out_features, in_features, bias",
+    [(1, 576, 576, False), (2, 1536, 576, True), (3, 577, 100, True), (4, 7, 33, False), (9, 64, 80, True)],
+)
+def test_the_small_row_product_equals_a_float64_reference_row_by_row(kernel, rows, out_features, in_features, bias):
+    """Vector and scalar tails of the input, a last block of fewer output features, a bias or none, 1-9 rows: within
+    float32 rounding of float64's product, and every row bit for bit what a one-row call gives."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(1, rows, in_features), torch.randn(out_features, in_features)
+    b = torch.randn(out_features) if bias else None
+    output = kernel(x, weight, b)
+    reference = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert output.shape == (1, rows, out_features) and output.dtype == torch.float32
+    torch.testing.assert_close(output.double(), reference, atol=2e-5 * in_features**0.5, rtol=1e-5)
+    one_by_one = torch.cat([kernel(x[:, row : row + 1], weight, b) for row in range(rows)], dim=1)
+    assert torch.equal(output, one_by_one)
+
+
+def test_what_it_does_not_handle_runs_pytorchs_own_product(kernel):
+    """More than 16 rows, another dtype, a weight not stored contiguous: exactly F.linear's result."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    many = torch.randn(17, 24)
+    assert torch.equal(kernel(many, weight, bias), F.linear(many, weight, bias))
+    half = torch.randn(2, 24, dtype=torch.bfloat16)
+    assert torch.equal(kernel(half, weight.bfloat16()), F.linear(half, weight.bfloat16()))
+    strided = torch.randn(24, 40).t()
+    one = torch.randn(1, 24)
+    assert torch.equal(kernel(one, strided), F.linear(one, strided))
+
+
+def test_the_fast_path_takes_it_below_its_row_split(kernel, monkeypatch):
+    """A path named on the command line loads (or builds) the kernel and its packed layers call it below the split;
+    $SELFSPEC_SMALL_ROWS=0 leaves PyTorch's stock kernel there."""
+    target = make_tiny_target("llama")
+    path = ExecutionPath(target.model, "fast")
+    assert path.row_split().kernel == "small" and path.dispatch.stock_rows == 2  # the suite's split
+    layer = next(module for module in path.runner.modules() if isinstance(module, PackedLinear))
+    hidden = torch.randn(1, 1, layer.in_features)
+    with torch.inference_mode():
+        assert torch.equal(layer(hidden), kernel(hidden, layer.weight, layer.bias))
+    monkeypatch.setenv(small_rows_module.ENV, "0")
+    assert ExecutionPath(target.model, "fast").row_split().kernel == "stock"
+
+
+def test_a_build_that_fails_says_why_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(small_rows_module.DIRECTORY_ENV, str(tmp_path))
+    monkeypatch.setattr(small_rows_module, "loaded", lambda: False)
+    monkeypatch.setattr(small_rows_module, "_flags", lambda: ["-DSELFSPEC_BROKEN", "-include", "no-such-header.h"])
+    assert small_rows_module.load(build_missing=True) is False
+    assert "no small-row kernel (compiling small_rows.cpp failed" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no library, no temporary file
+    monkeypatch.setattr(small_rows_module, "_compiler", lambda: None)
+    assert small_rows_module.load(build_missing=True) is False
+    assert "no C++ compiler" in capsys.readouterr().err
+    assert small_rows_module.load(build_missing=False) is False and capsys.readouterr().err == ""
+
+
+def test_the_unpacked_kernels_name_keys_the_stored_row_split():
+    dispatch = RowDispatch()
+    assert dispatch.kernel == "stock"
+    dispatch.use_small_rows()
+    assert dispatch.kernel == "small"
