@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import selfspec.training.data.sharegpt as sharegpt_module
-from selfspec.execution import small_rows
+from selfspec.execution import native
 from selfspec.files import cache_root
 from selfspec.models import Target
 
@@ -39,7 +39,7 @@ if "SELFSPEC_SUITE_CACHE" not in os.environ:
     os.environ["SELFSPEC_CACHE"] = os.environ["SELFSPEC_SUITE_CACHE"] = str(_suite_cache)
     # selfspec's small-row kernel, built once for the whole suite (a test with a cache of its own would build it again)
     os.environ["SELFSPEC_KERNELS"] = str(_suite_cache / "kernels")
-    small_rows.load(build_missing=True)  # before the workers start: every test sees the same kernels
+    native.load(build_missing=True)  # before the workers start: every test sees the same kernels
     atexit.register(shutil.rmtree, _suite_cache, True)
 
 RECORDS = 100  # fake ShareGPT records; the held-out split is the last 2

@@ -15,7 +15,7 @@ from selfspec import SelfSpec, SelfspecError
 from selfspec.cli import main
 from selfspec.execution import COMPILE_ENV, CompiledStep, CpuCapabilities, ExecutionPath, RowDispatch
 from selfspec.execution import background as background_module
-from selfspec.execution import small_rows as small_rows_module
+from selfspec.execution import native as native_module
 
 from .helpers import make_tiny_target
 
@@ -99,7 +99,7 @@ def test_only_the_graphs_the_row_split_uses_are_built(kernel, stock_rows, graphs
     """`few` takes a 1-3 token step only where selfspec's small-row kernel is loaded and wins at one row; elsewhere it
     is never built."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(small_rows_module, "loaded", lambda: kernel)
+    monkeypatch.setattr(native_module, "loaded", lambda: kernel)
     dispatch = None if stock_rows is None else RowDispatch(stock_rows)
     step = CompiledStep(make_tiny_target("llama").model, "tiny", dispatch=dispatch)
     assert step.graphs_needed() == graphs

@@ -27,7 +27,7 @@ from selfspec.execution import (
     SharedInputProduct,
     packed_linear,
 )
-from selfspec.execution import small_rows as small_rows_module
+from selfspec.execution import native as native_module
 from selfspec.heads import create_drafter
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
@@ -381,7 +381,7 @@ def test_small_compiled_steps_take_the_graph_the_row_split_favours(kernel, monke
     """Steps of 1-3 tokens run in `few` (selfspec's small-row kernel) as they are, only where that kernel is loaded and
     wins at their rows, else in `tree`; 4+ always in `tree`, and so does a batch of requests' rows. The graphs
     themselves: test_compiled."""
-    monkeypatch.setattr(small_rows_module, "loaded", lambda: kernel)
+    monkeypatch.setattr(native_module, "loaded", lambda: kernel)
     expected = {
         1: [("tree", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # the packed kernel wins from one row
         2: [("few", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],

@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 from selfspec.errors import SelfspecError
 from selfspec.execution import ExecutionPath
-from selfspec.execution.attention import FLOAT64_SDPA, float64_sdpa_attention
+from selfspec.execution import native
+from selfspec.execution.attention import FLOAT64_SDPA, ROW_ATTENTION, float64_sdpa_attention, row_attention
 from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
 from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
 
@@ -126,8 +127,11 @@ def test_q4_on_a_checkpoint_directory_is_one_line(tiny_checkpoint):
     ]
 
 
-def test_float64_attention_gives_a_trees_rows_the_one_token_steps_bits():
-    """SDPA's float32 rows change with the call's shape; in float64, rounded back, they do not."""
+@pytest.mark.parametrize("attention", [float64_sdpa_attention, row_attention])
+def test_the_q4_attentions_give_a_trees_rows_the_one_token_steps_bits(attention):
+    """SDPA's float32 rows change with the call's shape; in float64, rounded back, they do not, and neither do those
+    of selfspec's row attention (native.cpp), a row computed in one order over the keys it sees."""
+    assert native.load(build_missing=True)
     generator = torch.Generator().manual_seed(0)
     cached, rows, module = 300, 8, torch.nn.Module()
     query = torch.randn(1, 9, rows, 64, generator=generator)
@@ -136,18 +140,23 @@ def test_float64_attention_gives_a_trees_rows_the_one_token_steps_bits():
     mask[..., :cached] = 0
     for row in range(rows):  # a chain: each row sees the cache, the rows before it and itself
         mask[0, 0, row, cached : cached + row + 1] = 0
-    together, _ = float64_sdpa_attention(module, query, keys, values, mask)
+    together, _ = attention(module, query, keys, values, mask)
     for row in range(rows):
         end = cached + row + 1
-        alone, _ = float64_sdpa_attention(
+        alone, _ = attention(
             module, query[:, :, row : row + 1], keys[:, :, :end], values[:, :, :end], None
         )
         assert torch.equal(alone[:, 0], together[:, row]), f"row {row}"
 
 
-def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q4):
+@pytest.mark.parametrize("native_kernels", ["1", "0"])
+def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q4, native_kernels, monkeypatch):
     """The whole path, eager (prefill) and stepping: 8 tokens in one step give the logits of 8 one-token steps,
-    bit for bit, and the model's own attention setting is untouched."""
+    bit for bit, with selfspec's row attention or (native kernels off) float64 SDPA over a float64 cache, and the
+    model's own attention setting is untouched."""
+    monkeypatch.setenv(native.ENV, native_kernels)
+    if native_kernels == "0":  # a path of its own, prepared without the native kernels
+        default_q4 = load_target("default", path="q4")
     execution = default_q4.execution
     prompt = default_q4.encode_prompt("Write a haiku about the sea.")
     chain = torch.tensor([[504, 2365, 282, 260, 4232, 30, 216, 339]])
@@ -166,7 +175,9 @@ def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q
     one_by_one = logits([1] * 8)
     assert torch.equal(logits([8]), one_by_one) and torch.equal(logits([3, 5]), one_by_one)
     assert default_q4.config._attn_implementation == "sdpa"
-    assert execution.runner.config._attn_implementation == FLOAT64_SDPA
+    attention = ROW_ATTENTION if native_kernels == "1" else FLOAT64_SDPA
+    assert execution.runner.config._attn_implementation == attention
+    assert execution.new_cache().layers[0].store_dtype == (None if native_kernels == "1" else torch.float64)
 
 
 def test_serve_refuses_q4_before_loading_anything():

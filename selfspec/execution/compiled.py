@@ -4,7 +4,7 @@ On a CPU the fast path's eager forward spends a third of a one-token step outsid
 ops a forward, each paying PyTorch's dispatch and Python's call overhead. `torch.export` traces the stock
 transformers forward (no modelling code is copied) into one graph; AOTInductor fuses the element-wise ops into C++
 loops and compiles it into a shared library that any later process loads in about a second. Two graphs:
-- `few`: 1-3 new tokens, traced with every product on selfspec's small-row kernel (small_rows.py: the operator
+- `few`: 1-3 new tokens, traced with every product on selfspec's small-row kernel (native.py: the operator
   `selfspec::small_rows`, which streams each weight as stored at the speed memory allows). Compiled without its
   weights, it reads the model's own parameters (shared, not copied). Built only where that kernel is.
 - `tree`: 1-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
@@ -46,8 +46,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..errors import SelfspecError
 from ..files import cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
-from . import small_rows
-from .attention import GROUPED_SDPA
+from . import native
+from .attention import FLOAT64_SDPA, GROUPED_SDPA
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP
@@ -86,7 +86,9 @@ def package_dir(model: torch.nn.Module, model_name: str, four_bit: bool = False)
     versions = (
         f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
     )
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "") + ("-q4-f64attention" if four_bit else "")
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    if four_bit:  # its attention (native row attention, or float64 SDPA over a float64 cache) is in the graph
+        dtype += "-q4-rowattention" if _float64_attention(model) is False else "-q4-f64attention"
     key = (
         f"{Path(model_name).name}--{weights_digest(model, buffers=four_bit)}--{dtype}--format{PACKAGE_FORMAT}"
         f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"
@@ -117,13 +119,18 @@ class _StoreLayer(DynamicLayer):
 
 class _SmallRowProducts(torch.overrides.TorchFunctionMode):
     """While `few` is traced: every linear product of the stock modules is recorded as selfspec's small-row operator
-    (small_rows.py) instead of aten.linear (the model's code and modules are left as they are)."""
+    (native.py) instead of aten.linear (the model's code and modules are left as they are)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
-            return small_rows.linear(*args, **kwargs)
+            return native.small_rows(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _float64_attention(model: torch.nn.Module) -> bool:
+    """Whether `model` (the q4 path's twin) attends in float64 over a float64 cache (FLOAT64_SDPA)."""
+    return model.config._attn_implementation == FLOAT64_SDPA  # transformers gives no public reader
 
 
 def _grouped_attention(model: torch.nn.Module) -> torch.nn.Module:
@@ -201,7 +208,8 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
         "key_stores": [{0: batch, 2: Dim.AUTO}] * layers,
         "value_stores": [{0: batch, 2: Dim.AUTO}] * layers,
     }
-    example = _example(model, min(max(low, 6), high), torch.float64 if kind == "q4" else None)  # q4: float64 KV
+    float64_cache = kind == "q4" and _float64_attention(model)
+    example = _example(model, min(max(low, 6), high), torch.float64 if float64_cache else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
     # `tree` freezes the weights (packed into the package); `few` and `q4` read the model's own (CompiledStep.load):
@@ -368,7 +376,7 @@ class CompiledStep:
         if (
             batch == 1
             and n <= GRAPHS["few"][1]
-            and small_rows.loaded()
+            and native.loaded()
             and (self.dispatch is None or n < self.dispatch.stock_rows)
         ):
             return "few", n
@@ -405,7 +413,7 @@ class CompiledStep:
         positions in place, after the `length` they hold (every row's: the batch engine's rows of other lengths see
         only their own positions through the mask)."""
         (batch, n), cached = input_ids.shape, cache.layers[0].length
-        dtype = next(self.model.parameters()).dtype  # the mask's (the q4 path's KV storage is float64)
+        dtype = next(self.model.parameters()).dtype  # the mask's (the q4 path's KV storage may be float64)
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
         if attention_mask is None:  # a chain: causal among the new tokens

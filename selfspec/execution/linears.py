@@ -7,7 +7,7 @@ once, the GEMM for 16 rows reads them as one row does. Projections that read the
 run as one GEMM over their concatenated weights. The packed modules share the stock modules' weights and stand in
 for them in the path's twin of the model (twin.py): the model itself keeps its stock modules. Below a row count
 measured once per machine (`RowDispatch`, calibration.py) they call the row split's unpacked kernel instead: selfspec's
-own small-row product where it is built (small_rows.py), else PyTorch's stock one (MKL's gemv or GEMM); at one row or
+own small-row product where it is built (native.py), else PyTorch's stock one (MKL's gemv or GEMM); at one row or
 a few it streams the weight faster than the packed GEMM (docs/execution.md).
 """
 
@@ -34,10 +34,10 @@ class RowDispatch:
         self.stock = F.linear  # (input, weight, bias) -> output: the kernel below the split (use_small_rows)
 
     def use_small_rows(self) -> None:
-        """Take selfspec's small-row product (loaded: small_rows.load) as the kernel below the split."""
-        from . import small_rows
+        """Take selfspec's small-row product (loaded: native.load) as the kernel below the split."""
+        from . import native
 
-        self.stock = small_rows.linear
+        self.stock = native.small_rows
 
     @property
     def kernel(self) -> str:

@@ -4,12 +4,13 @@ stay as transformers made them; `active()` marks a generation, so that the path 
 
 On `fast`, `forward` runs the path's twin of the model (twin.py: its own modules and config, the same weights), whose
 linear layers are packed ones (linears.py, below their row split calibrated once per machine (calibration.py) on
-selfspec's small-row product where it is built: small_rows.py) and whose
+selfspec's small-row product where it is built: native.py) and whose
 `sdpa` attention is the grouped-head SDPA (attention.py, set through `set_attn_implementation`); `new_cache` gives the
 KV cache written in place (kv_storage.py). On `compiled`, `forward` sends the decoding steps to the compiled graphs
 (compiled.py) and anything else (prefill) to the twin. On `q4` (a model loaded with 4-bit linears, q4.py), the twin
-keeps those linears, multiplies the LM head in bfloat16 (`BFloat16Head`) and runs attention in float64 over a
-float64 in-place cache (attention.py), so that each row of a tree computes what a one-token step computes.
+keeps those linears, multiplies the LM head in bfloat16 (`BFloat16Head`) and runs attention whose rows do not depend
+on the call's shape (attention.py: selfspec's native row attention, else float64 SDPA over a float64 cache), so that
+each row of a tree computes what a one-token step computes.
 
 The path is settled by `prepare()` (the first `forward` or `active()`, or anything that keys on `name` first): under
 `auto`, where the compiled graphs are not stored, it is `fast`, with the build `pending`; `start_build()` starts it in
@@ -27,8 +28,8 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import SelfspecError, first_line
-from . import small_rows
-from .attention import FLOAT64_SDPA, GROUPED_SDPA
+from . import native
+from .attention import FLOAT64_SDPA, GROUPED_SDPA, ROW_ATTENTION
 from .background import BackgroundBuild
 from .calibration import calibrate
 from .capabilities import CpuCapabilities, detect_capabilities
@@ -76,6 +77,7 @@ class ExecutionPath:
         self.pending: CompiledStep | None = None  # under `auto`: graphs not stored yet, the fast path runs meanwhile
         self.build: BackgroundBuild | None = None
         self._twin: torch.nn.Module | None = None  # fast and compiled: the model's twin with packed linear layers
+        self.kv_dtype: torch.dtype | None = None  # the KV storage's (None: the model's; float64 under FLOAT64_SDPA)
         self._forward = model  # what `forward` calls, settled by `prepare`
         self._prepared = False
         self.recalibrate = False  # measure the row split anew when the twin is built, not read the stored one
@@ -90,8 +92,10 @@ class ExecutionPath:
     def _build_twin(self) -> torch.nn.Module:
         twin = sharing_copy(self.model)
         attention = twin.config._attn_implementation  # transformers gives no public reader
-        if self.four_bit:  # its linears are 4-bit already; the LM head runs in bfloat16, attention in float64
-            twin.set_attn_implementation(FLOAT64_SDPA)
+        if self.four_bit:  # its linears are 4-bit already; the LM head runs in bfloat16, attention row by row
+            rows = native.load(build_missing=self.compile_mode != "off")  # seconds, once per machine
+            twin.set_attn_implementation(ROW_ATTENTION if rows else FLOAT64_SDPA)
+            self.kv_dtype = None if rows else torch.float64
             twin.set_output_embeddings(BFloat16Head(twin.get_output_embeddings()))
             if self.compiled is not None:
                 self.compiled.model = twin  # the q4 graph is traced from, and reads its weights from, the twin
@@ -99,9 +103,9 @@ class ExecutionPath:
             if attention == "sdpa":
                 twin.set_attn_implementation(GROUPED_SDPA)
             # selfspec's small-row product below the split: loaded where stored, built (seconds) where the path was
-            # named; under `auto` the background build makes it for the next process (small_rows.py)
+            # named; under `auto` the background build makes it for the next process (native.py)
             weight = next(self.model.parameters())
-            if (weight.device.type, weight.dtype) == ("cpu", torch.float32) and small_rows.load(
+            if (weight.device.type, weight.dtype) == ("cpu", torch.float32) and native.load(
                 build_missing=self.compile_mode == "wait"
             ):
                 self.dispatch.use_small_rows()
@@ -238,4 +242,5 @@ class ExecutionPath:
         (kv_storage.InPlaceCache)."""
         if self.name == "stock":
             return DynamicCache(config=self.model.config)
-        return InPlaceCache(self.model.config, torch.float64 if self.four_bit else None)
+        self.row_split()  # settles the q4 path's attention, and with it the cache's dtype
+        return InPlaceCache(self.model.config, self.kv_dtype)

@@ -1,17 +1,21 @@
-"""selfspec's own product for a few rows (small_rows.cpp): the PyTorch operator `selfspec::small_rows(input, weight,
-bias)`, a float32 x W^T (+ b) that streams the weight as stored, built once per machine with the C++ compiler the
-compiled path uses and kept under the selfspec cache.
+"""selfspec's native kernels (native.cpp), built once per machine with the C++ compiler the compiled path uses and kept
+under the selfspec cache, registered as PyTorch operators:
 
-At one row a product only has to read its weight once, and on the 2-core EPYC neither of PyTorch's kernels does that
-at the speed memory allows: all of SmolLM2-135M's float32 products (0.54 GB) take 18 ms on oneDNN's packed weights and
-34 ms on MKL, against 13.6 ms here (~40 GB/s; docs/execution.md). The fast path's linear layers call it below their
-row split (linears.py, measured against the packed kernel by calibration.py) and the compiled `few` graph
-(compiled.py) is traced with every product on it. Other dtypes, more than 16 rows or a weight not stored contiguous
-fall back to `torch.nn.functional.linear` inside the operator.
+- `selfspec::small_rows(input, weight, bias)`: a float32 x W^T (+ b) for 1-16 rows that streams the weight as stored.
+  At one row a product only has to read its weight once, and on the 2-core EPYC neither of PyTorch's kernels does that
+  at the speed memory allows: all of SmolLM2-135M's float32 products (0.54 GB) take 17 ms on oneDNN's packed weights
+  and 34 ms on MKL, against 13.2 ms here (docs/execution.md). The fast path's linear layers call it below their row
+  split (linears.py, measured against the packed kernel by calibration.py) and the compiled `few` graph (compiled.py)
+  is traced with every product on it. Other dtypes, more than 16 rows or a weight not stored contiguous fall back to
+  `torch.nn.functional.linear` inside the operator.
+- `selfspec::row_attention(query, key, value, mask, scale)`: float32 attention whose every query row is computed in
+  one fixed order, so a tree's row equals the one-token step's bit for bit: the q4 path's attention (attention.py),
+  in place of float64 SDPA.
 
-Building takes about 10 s (PyTorch's headers): a path named on the command line builds it when it prepares; under
-`auto` the background build of the compiled graphs does, and a later process loads it in milliseconds.
-$SELFSPEC_SMALL_ROWS=0 leaves it out (PyTorch's kernels alone).
+Building takes about 10 s (PyTorch's headers). The fast and compiled paths build it when named on the command line
+(under `auto` the background build of the compiled graphs does, and a later process loads it in milliseconds); the
+q4 path builds it when it prepares, since its attention depends on it. $SELFSPEC_NATIVE=0 leaves it out (PyTorch's
+kernels alone, float64 attention on q4).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import torch
 
 from ..files import atomic_write, cache_root, cpu_signature
 
-SOURCE = Path(__file__).with_name("small_rows.cpp")
-ENV = "SELFSPEC_SMALL_ROWS"  # "0": never built nor loaded
+SOURCE = Path(__file__).with_name("native.cpp")
+ENV = "SELFSPEC_NATIVE"  # "0": never built nor loaded
 DIRECTORY_ENV = "SELFSPEC_KERNELS"  # where the build is kept (default: the selfspec cache's kernels/)
 
 
@@ -70,7 +74,7 @@ def library_path() -> Path:
         SOURCE.read_bytes() + f"{torch.__version__}|{_compiler()}|{sys.version_info[:2]}".encode()
     ).hexdigest()[:12]
     directory = Path(os.environ[DIRECTORY_ENV]) if os.environ.get(DIRECTORY_ENV) else cache_root() / "kernels"
-    return directory / f"small_rows-{key}-cpu-{cpu_signature()}.so"
+    return directory / f"native-{key}-cpu-{cpu_signature()}.so"
 
 
 def build() -> Path:
@@ -98,9 +102,14 @@ def build() -> Path:
 def _register(path: str) -> None:
     torch.ops.load_library(path)
 
+    # what export and Inductor see of the operators
     @torch.library.register_fake("selfspec::small_rows")
-    def _shape(input, weight, bias=None):  # noqa: ARG001  (what export and Inductor see of the operator)
+    def _product_shape(input, weight, bias=None):  # noqa: ARG001
         return input.new_empty(*input.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("selfspec::row_attention")
+    def _attention_shape(query, key, value, mask, scale):  # noqa: ARG001
+        return query.new_empty(query.shape)
 
 
 def loaded() -> bool:
@@ -108,7 +117,7 @@ def loaded() -> bool:
 
 
 def load(build_missing: bool = False) -> bool:
-    """Make `torch.ops.selfspec.small_rows` available in this process -> whether it is: loaded where stored, built
+    """Make selfspec's operators available in this process -> whether they are: loaded where stored, built
     first where `build_missing` (a failure is said once on stderr, and PyTorch's kernels run)."""
     if not enabled():
         return False
@@ -127,6 +136,15 @@ def load(build_missing: bool = False) -> bool:
     return True
 
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """input [..., in] x weight [out, in]^T (+ bias) on the small-row kernel (load() must have succeeded)."""
     return torch.ops.selfspec.small_rows(input, weight, bias)
+
+
+def row_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """softmax(query key^T * scale + mask) value, each query row on its own in one fixed order: query [B, H, n, D],
+    key and value [B, KV, S, D] (grouped heads as they are), mask additive [B or 1, 1, n, S] or None (causal, the last
+    n keys being the queries') -> [B, H, n, D] (load() must have succeeded)."""
+    return torch.ops.selfspec.row_attention(query, key, value, mask, scale)

@@ -1,4 +1,4 @@
-"""selfspec's small-row product (selfspec/execution/small_rows.cpp): built once per machine, it computes x W^T + b
+"""selfspec's small-row product (selfspec/execution/native.cpp): built once per machine, it computes x W^T + b
 as a float64 reference does (to float32 rounding), each row the same whatever the row count of the call, and leaves
 what it does not handle to PyTorch's own product; the fast path's linear layers take it below their row split."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.execution import ExecutionPath, PackedLinear, RowDispatch, compile_support, detect_capabilities
-from selfspec.execution import small_rows as small_rows_module
+from selfspec.execution import native as native_module
 
 from .helpers import make_tiny_target
 
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def kernel():
-    assert small_rows_module.load(build_missing=True), "the small-row kernel did not build"
-    return small_rows_module.linear
+    assert native_module.load(build_missing=True), "the small-row kernel did not build"
+    return native_module.small_rows
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_what_it_does_not_handle_runs_pytorchs_own_product(kernel):
 
 def test_the_fast_path_takes_it_below_its_row_split(kernel, monkeypatch):
     """A path named on the command line loads (or builds) the kernel and its packed layers call it below the split;
-    $SELFSPEC_SMALL_ROWS=0 leaves PyTorch's stock kernel there."""
+    $SELFSPEC_NATIVE=0 leaves PyTorch's stock kernel there."""
     target = make_tiny_target("llama")
     path = ExecutionPath(target.model, "fast")
     assert path.row_split().kernel == "small" and path.dispatch.stock_rows == 2  # the suite's split
@@ -65,21 +65,21 @@ def test_the_fast_path_takes_it_below_its_row_split(kernel, monkeypatch):
     hidden = torch.randn(1, 1, layer.in_features)
     with torch.inference_mode():
         assert torch.equal(layer(hidden), kernel(hidden, layer.weight, layer.bias))
-    monkeypatch.setenv(small_rows_module.ENV, "0")
+    monkeypatch.setenv(native_module.ENV, "0")
     assert ExecutionPath(target.model, "fast").row_split().kernel == "stock"
 
 
 def test_a_build_that_fails_says_why_and_leaves_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(small_rows_module.DIRECTORY_ENV, str(tmp_path))
-    monkeypatch.setattr(small_rows_module, "loaded", lambda: False)
-    monkeypatch.setattr(small_rows_module, "_flags", lambda: ["-DSELFSPEC_BROKEN", "-include", "no-such-header.h"])
-    assert small_rows_module.load(build_missing=True) is False
-    assert "no small-row kernel (compiling small_rows.cpp failed" in capsys.readouterr().err
+    monkeypatch.setenv(native_module.DIRECTORY_ENV, str(tmp_path))
+    monkeypatch.setattr(native_module, "loaded", lambda: False)
+    monkeypatch.setattr(native_module, "_flags", lambda: ["-DSELFSPEC_BROKEN", "-include", "no-such-header.h"])
+    assert native_module.load(build_missing=True) is False
+    assert "no small-row kernel (compiling native.cpp failed" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no library, no temporary file
-    monkeypatch.setattr(small_rows_module, "_compiler", lambda: None)
-    assert small_rows_module.load(build_missing=True) is False
+    monkeypatch.setattr(native_module, "_compiler", lambda: None)
+    assert native_module.load(build_missing=True) is False
     assert "no C++ compiler" in capsys.readouterr().err
-    assert small_rows_module.load(build_missing=False) is False and capsys.readouterr().err == ""
+    assert native_module.load(build_missing=False) is False and capsys.readouterr().err == ""
 
 
 def test_the_unpacked_kernels_name_keys_the_stored_row_split():
@@ -87,3 +87,38 @@ def test_the_unpacked_kernels_name_keys_the_stored_row_split():
     assert dispatch.kernel == "stock"
     dispatch.use_small_rows()
     assert dispatch.kernel == "small"
+
+
+def _tree_mask(cached: int, rows: int, hidden: tuple[int, int] | None = None) -> torch.Tensor:
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.zeros(1, 1, rows, cached + rows)
+    mask[..., cached:] = torch.triu(torch.full((rows, rows), lowest), 1)
+    if hidden is not None:  # a tree: this row does not see that earlier node
+        mask[0, 0, hidden[0], cached + hidden[1]] = lowest
+    return mask
+
+
+@pytest.mark.parametrize("cached, rows, head_dim", [(40, 1, 64), (300, 7, 64), (33, 5, 20)])
+def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(kernel, cached, rows, head_dim):
+    """Against float64 SDPA (grouped heads, an additive tree mask or none: causal) to float32 rounding; and each row
+    bit for bit what it gives alone over only the keys it sees, from key/value views of a larger storage (a cache)."""
+    torch.manual_seed(cached)
+    query = torch.randn(1, 9, rows, head_dim)
+    keys, values = (torch.randn(1, 3, cached + rows + 50, head_dim)[:, :, : cached + rows] for _ in range(2))
+    mask = _tree_mask(cached, rows, (rows - 1, 0) if rows > 2 else None)
+    scale = head_dim**-0.5
+    output = native_module.row_attention(query, keys, values, mask, scale)
+    as_double = [tensor.double() for tensor in (query, keys, values, mask)]
+    reference = F.scaled_dot_product_attention(*as_double[:3], attn_mask=as_double[3], scale=scale, enable_gqa=True)
+    torch.testing.assert_close(output.double(), reference, atol=2e-6, rtol=1e-5)
+    causal = native_module.row_attention(query, keys, values, None, scale)
+    expected = F.scaled_dot_product_attention(
+        *as_double[:3], attn_mask=_tree_mask(cached, rows).double(), scale=scale, enable_gqa=True
+    )
+    torch.testing.assert_close(causal.double(), expected, atol=2e-6, rtol=1e-5)
+    for row in range(rows):
+        seen = (mask[0, 0, row] == 0).nonzero().flatten()
+        alone = native_module.row_attention(
+            query[:, :, row : row + 1], keys[:, :, seen], values[:, :, seen], torch.zeros(1, 1, 1, len(seen)), scale
+        )
+        assert torch.equal(alone, output[:, :, row : row + 1]), row

@@ -1,0 +1,248 @@
+// selfspec's native kernels, built once per machine at first use (native.py) and registered as PyTorch operators:
+//
+// selfspec::small_rows(input, weight, bias): y = x W^T (+ b) for a float32 input of a few rows and a float32 weight
+// [out, in] stored as it is (no packed copy). The fast path's linear layers call it below their row split and the
+// compiled `few` graph calls it for every product. At one to a few rows a product is bound by how fast the weight
+// streams from memory: each task reads a block of weight rows once, with every input row in registers, and threads
+// split the output features. Every output element is computed the same way whatever the row count or the block it
+// falls in (lane-wise sums over the vector part of the input in order, one horizontal sum, the scalar tail, then the
+// bias), so a row's result does not depend on how many rows one call has.
+//
+// selfspec::row_attention(query, key, value, mask, scale): softmax(q k^T * scale + mask) v in float32 for grouped
+// key/value heads, each query row computed on its own in one fixed order: its scores key by key, their maximum, then
+// the exponentials summed and the values accumulated key by key in the keys' order, masked keys skipped. A row's
+// result therefore depends only on the keys it sees and their order, not on how many rows, keys or masked keys the
+// call has: a tree's row equals the one-token step at that position bit for bit (the q4 path, attention.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 8;      // output features a task computes
+constexpr int64_t kRowChunk = 4;   // input rows held in registers at once
+constexpr int64_t kMaxRows = 16;   // above this many rows: ATen's own product
+constexpr int64_t kGrainBlocks = 4;  // the fewest blocks a thread takes
+
+#if defined(__AVX512F__)
+#define SELFSPEC_VECTOR 1
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SELFSPEC_VECTOR 1
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline float total(Vec v) {
+  __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  low = _mm_add_ps(low, _mm_movehl_ps(low, low));
+  return _mm_cvtss_f32(_mm_add_ss(low, _mm_movehdup_ps(low)));
+}
+#endif
+
+#ifdef SELFSPEC_VECTOR
+// F weight rows (features) x R input rows: out[r * ldy + f] = dot(x[r], w[f]) + bias[f]
+template <int F, int R>
+inline void dots(const float* x, int64_t K, const float* w, const float* bias, float* out, int64_t ldy) {
+  Vec acc[F][R];
+#pragma GCC unroll 16
+  for (int f = 0; f < F; f++)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[f][r] = zero();
+  const int64_t vector_end = K - K % kLanes;
+  for (int64_t k = 0; k < vector_end; k += kLanes) {
+    Vec xs[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) xs[r] = load(x + r * K + k);
+#pragma GCC unroll 16
+    for (int f = 0; f < F; f++) {
+      const Vec weights = load(w + f * K + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) acc[f][r] = fma(weights, xs[r], acc[f][r]);
+    }
+  }
+  for (int f = 0; f < F; f++) {
+    for (int r = 0; r < R; r++) {
+      float sum = total(acc[f][r]);
+      for (int64_t k = vector_end; k < K; k++) sum += w[f * K + k] * x[r * K + k];
+      out[r * ldy + f] = bias == nullptr ? sum : sum + bias[f];
+    }
+  }
+}
+
+template <int R>
+void features(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t begin,
+              int64_t end) {
+  constexpr int F = R <= 2 ? 8 : 4;  // accumulators F x R within the 16 registers left beside the inputs
+  int64_t n = begin;
+  for (; n + F <= end; n += F) dots<F, R>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N);
+  for (; n < end; n++) dots<1, R>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N);
+}
+
+void rows_chunk(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+                int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: return features<1>(x, K, w, bias, y, N, begin, end);
+    case 2: return features<2>(x, K, w, bias, y, N, begin, end);
+    case 3: return features<3>(x, K, w, bias, y, N, begin, end);
+    default: return features<4>(x, K, w, bias, y, N, begin, end);
+  }
+}
+#endif
+
+
+#ifdef SELFSPEC_VECTOR
+constexpr int64_t kMaxHeadDim = 256;
+constexpr float kMaskedBelow = -1e30f;  // an additive mask entry this low hides its key (finfo.min, -inf)
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc = zero();
+  const int64_t vector_end = n - n % kLanes;
+  for (int64_t k = 0; k < vector_end; k += kLanes) acc = fma(load(a + k), load(b + k), acc);
+  float sum = total(acc);
+  for (int64_t k = vector_end; k < n; k++) sum += a[k] * b[k];
+  return sum;
+}
+
+// one query row: q [D]; keys/values [S, D] rows `key_stride` / `value_stride` apart; mask [S] (stride `mask_stride`,
+// or none: the first `visible` keys); out [D]; scores: scratch of S floats
+void attend_row(const float* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
+                const float* mask, int64_t mask_stride, int64_t visible, int64_t S, int64_t D, float scale,
+                float* scores, float* out) {
+  float high = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < S; s++) {
+    const float bias = mask == nullptr ? (s < visible ? 0.0f : -std::numeric_limits<float>::infinity())
+                                       : mask[s * mask_stride];
+    if (!(bias > kMaskedBelow)) {
+      scores[s] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    scores[s] = dot(q, keys + s * key_stride, D) * scale + bias;
+    high = std::max(high, scores[s]);
+  }
+  Vec acc[kMaxHeadDim / kLanes];
+  const int64_t vectors = D / kLanes, vector_end = vectors * kLanes;
+  float tail[kLanes];
+  for (int64_t v = 0; v < vectors; v++) acc[v] = zero();
+  for (int64_t k = vector_end; k < D; k++) tail[k - vector_end] = 0.0f;
+  float sum = 0.0f;
+  for (int64_t s = 0; s < S; s++) {
+    if (scores[s] == -std::numeric_limits<float>::infinity()) continue;
+    const float p = std::exp(scores[s] - high);
+    sum += p;
+    const float* row = values + s * value_stride;
+    for (int64_t v = 0; v < vectors; v++) acc[v] = fma(broadcast(p), load(row + v * kLanes), acc[v]);
+    for (int64_t k = vector_end; k < D; k++) tail[k - vector_end] += p * row[k];
+  }
+  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int64_t v = 0; v < vectors; v++) store(out + v * kLanes, mul(acc[v], broadcast(inverse)));
+  for (int64_t k = vector_end; k < D; k++) out[k] = tail[k - vector_end] * inverse;
+}
+#endif
+
+at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1);
+  bool ours = input.device().is_cpu() && input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+              weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == K && K > 0 && rows <= kMaxRows &&
+              (!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous()));
+#ifndef SELFSPEC_VECTOR
+  ours = false;
+#endif
+  if (!ours) return at::linear(input, weight, has_bias ? *bias : at::Tensor());
+  const int64_t N = weight.size(0);
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = N;
+  at::Tensor output = at::empty(sizes, input.options());
+#ifdef SELFSPEC_VECTOR
+  const at::Tensor x = input.contiguous();
+  const float* xs = x.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* ys = output.data_ptr<float>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+    const int64_t begin = first * kBlock, end = std::min(N, last * kBlock);
+    for (int64_t row = 0; row < rows; row += kRowChunk)
+      rows_chunk(xs + row * K, std::min(kRowChunk, rows - row), K, ws, bs, ys + row * N, N, begin, end);
+  });
+#endif
+  return output;
+}
+
+
+// query [B, H, n, D]; key, value [B, KV, S, D] (H a multiple of KV; any strides, the last dimension contiguous);
+// mask: an additive [B or 1, 1, n, S] float32 mask (any strides), or undefined: causal, the last n keys being the
+// queries' own -> [B, H, n, D]
+at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const c10::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "row_attention: 4-dimensional inputs");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat, "row_attention: float32 inputs");
+  const int64_t B = query.size(0), H = query.size(1), n = query.size(2), D = query.size(3);
+  const int64_t KV = key.size(1), S = key.size(2);
+  TORCH_CHECK(H % KV == 0 && key.size(3) == D && value.sizes() == key.sizes() && key.size(0) == B,
+              "row_attention: mismatched shapes");
+  TORCH_CHECK(D <= 256, "row_attention: head dimension over 256");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
+  const bool has_mask = mask.has_value() && mask->defined();
+  at::Tensor m;
+  if (has_mask) {
+    m = mask->scalar_type() == at::kFloat ? *mask : mask->to(at::kFloat);
+    TORCH_CHECK(m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && m.size(2) == n && m.size(3) == S,
+                "row_attention: the mask must be [B or 1, 1, n, S]");
+  }
+  at::Tensor output = at::empty({B, H, n, D}, query.options());
+#ifdef SELFSPEC_VECTOR
+  const float* qs = q.data_ptr<float>();
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  const float* ms = has_mask ? m.data_ptr<float>() : nullptr;
+  float* out = output.data_ptr<float>();
+  const int64_t group = H / KV;
+  at::parallel_for(0, B * H * n, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(S);
+    for (int64_t task = first; task < last; task++) {
+      const int64_t b = task / (H * n), h = (task / n) % H, i = task % n, g = h / group;
+      const float* row_mask = has_mask ? ms + (m.size(0) == 1 ? 0 : b) * m.stride(0) + i * m.stride(2) : nullptr;
+      attend_row(qs + task * D, ks + b * k.stride(0) + g * k.stride(1), k.stride(2),
+                 vs + b * v.stride(0) + g * v.stride(1), v.stride(2), row_mask, has_mask ? m.stride(3) : 0,
+                 S - n + i + 1, S, D, static_cast<float>(scale), scores.data(), out + task * D);
+    }
+  });
+#else
+  TORCH_CHECK(false, "row_attention: built without AVX2/AVX-512");
+#endif
+  return output;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(selfspec, m) {
+  m.def("small_rows(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("row_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(selfspec, CPU, m) {
+  m.impl("small_rows", &small_rows);
+  m.impl("row_attention", &row_attention);
+}
