@@ -8,8 +8,7 @@ import torch
 from safetensors import safe_open
 
 from selfspec.errors import SelfspecError
-from selfspec.execution import ExecutionPath
-from selfspec.execution import native
+from selfspec.execution import ExecutionPath, native
 from selfspec.execution.attention import FLOAT64_SDPA, ROW_ATTENTION, float64_sdpa_attention, row_attention
 from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
 from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
