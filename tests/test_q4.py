@@ -142,9 +142,7 @@ def test_the_q4_attentions_give_a_trees_rows_the_one_token_steps_bits(attention)
     together, _ = attention(module, query, keys, values, mask)
     for row in range(rows):
         end = cached + row + 1
-        alone, _ = attention(
-            module, query[:, :, row : row + 1], keys[:, :, :end], values[:, :, :end], None
-        )
+        alone, _ = attention(module, query[:, :, row : row + 1], keys[:, :, :end], values[:, :, :end], None)
         assert torch.equal(alone[:, 0], together[:, row]), f"row {row}"
 
 
