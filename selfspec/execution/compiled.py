@@ -254,6 +254,19 @@ def _padded(input_ids, position_ids, mask, rows: int) -> tuple:
     return input_ids, position_ids, padded
 
 
+class _Graph:
+    """A loaded package, called with the step's inputs as `_Step` takes them -> (logits, hidden states). It hands
+    the flat list of tensors to the package's runner itself: the package's own call parses its input and output tree
+    specifications at every call (0.2 ms a step for 60 cache tensors)."""
+
+    def __init__(self, package):
+        self.package = package
+
+    def __call__(self, input_ids, position_ids, mask, key_stores, value_stores):
+        outputs = self.package.loader.boxed_run([input_ids, position_ids, mask, *key_stores, *value_stores])
+        return outputs[0], tuple(outputs[1:])
+
+
 class CompiledStep:
     """The compiled graphs of one model that its row split uses (`graphs_needed`), built ahead (`build`) or loaded
     from the cache (`load`), and the call that routes an eligible forward to them."""
@@ -334,7 +347,7 @@ class CompiledStep:
             runners[kind].load_constants(
                 {name: own[name] for name in needed}, check_full_update=True, user_managed=True
             )
-        self.runners = runners
+        self.runners = {kind: _Graph(runner) for kind, runner in runners.items()}
 
     def route(self, eager):
         """The model's forward while the path is active: a decoding step the compiled graphs cover goes to them,

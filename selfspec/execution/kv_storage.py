@@ -110,8 +110,8 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace, WrittenInPlace):
         self.select_rows(indices)
 
     def truncate(self, length: int) -> None:
-        if self.is_initialized and self._key_store is not None:
-            self.mark_filled(min(length, self.length))
+        if self.is_initialized and self._key_store is not None and length < self.length:
+            self.mark_filled(length)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
