@@ -47,7 +47,7 @@ from ..errors import SelfspecError
 from ..files import cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
 from . import native
-from .attention import FLOAT64_SDPA, GROUPED_SDPA
+from .attention import FLOAT64_SDPA, GROUPED_SDPA, ROW_ATTENTION
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP
@@ -133,14 +133,15 @@ def _float64_attention(model: torch.nn.Module) -> bool:
     return model.config._attn_implementation == FLOAT64_SDPA  # transformers gives no public reader
 
 
-def _grouped_attention(model: torch.nn.Module) -> torch.nn.Module:
-    """What the float32 graphs trace: a twin of `model` (its weights, its own modules and config) whose `sdpa`
-    attention reads the grouped key/value heads as they are (attention.py, as on the fast path). The stock function
-    repeats every layer's cached keys and values per query-head group under a mask, at every step: 2.4 ms more than
-    the grouped one over 512 cached positions of SmolLM2's 30 layers in the graph."""
+def _traced_twin(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """What a float32 graph traces: a twin of `model` (its weights, its own modules and config) whose `sdpa`
+    attention reads the grouped key/value heads as they are. The stock function repeats every layer's cached keys and
+    values per query-head group under a mask, at every step (2.4 ms more than the grouped one over 512 cached
+    positions of SmolLM2's 30 layers in the graph). `tree` takes the fast path's grouped SDPA (attention.py); `few`,
+    built only where selfspec's native kernels are, their row attention, faster at 1-3 query rows."""
     twin = sharing_copy(model)
     if twin.config._attn_implementation == "sdpa":  # transformers gives no public reader
-        twin.set_attn_implementation(GROUPED_SDPA)
+        twin.set_attn_implementation(ROW_ATTENTION if kind == "few" else GROUPED_SDPA)
     return twin
 
 
@@ -225,7 +226,7 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
             # get through transformers' cache objects.
             if on_stage is not None:
                 on_stage(kind, "export")
-            traced = model if kind == "q4" else _grouped_attention(model)  # q4's twin has its own attention
+            traced = model if kind == "q4" else _traced_twin(model, kind)  # q4's twin has its own attention
             with _SmallRowProducts() if kind == "few" else contextlib.nullcontext():
                 program = torch.export.export(_Step(traced), example, dynamic_shapes=shapes, strict=False)
             if on_stage is not None:
