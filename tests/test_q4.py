@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from selfspec.errors import SelfspecError
-from selfspec.execution import ExecutionPath, native
+from selfspec.execution import COMPILE_ENV, ExecutionPath, compile_support, detect_capabilities, native
 from selfspec.execution.attention import FLOAT64_SDPA, ROW_ATTENTION, float64_sdpa_attention, row_attention
 from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
 from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
@@ -146,6 +146,35 @@ def test_the_q4_attentions_give_a_trees_rows_the_one_token_steps_bits(attention)
         assert torch.equal(alone[:, 0], together[:, row]), f"row {row}"
 
 
+def _chain_logits(target, step_sizes: list[int]) -> torch.Tensor:
+    """The logits of an 8-token chain after a prompt, forwarded in steps of these sizes on the target's path."""
+    execution = target.execution
+    prompt = target.encode_prompt("Write a haiku about the sea.")
+    chain = torch.tensor([[504, 2365, 282, 260, 4232, 30, 216, 339]])
+    cache, outputs, position, done = execution.new_cache(), [], prompt.shape[1], 0
+    with torch.inference_mode(), execution.active():
+        execution.forward(prompt, past_key_values=cache)
+        for n in step_sizes:
+            positions = torch.arange(position, position + n).view(1, n)
+            piece = chain[:, done : done + n]
+            outputs.append(execution.forward(piece, position_ids=positions, past_key_values=cache).logits[0])
+            position, done = position + n, done + n
+    return torch.cat(outputs)
+
+
+@pytest.mark.skipif(not compile_support(detect_capabilities())[0], reason="no AOTInductor build here")
+def test_the_compiled_q4_step_gives_a_chain_the_logits_of_its_one_token_steps(monkeypatch):
+    """The q4 graph (compiled here, about a minute): one-token steps run unpadded, and 8 tokens at once, 3 + 5 and
+    2 + 2 + 2 + 2 give the logits of 8 one-token steps bit for bit."""
+    monkeypatch.setenv(COMPILE_ENV, "wait")
+    target = load_target("default", path="q4")
+    target.execution.prepare()
+    assert target.execution.name == "q4-compiled" and target.execution.compiled.graph_for(1) == ("q4", 1)
+    one_by_one = _chain_logits(target, [1] * 8)
+    for sizes in ([8], [3, 5], [2, 2, 2, 2]):
+        assert torch.equal(_chain_logits(target, sizes), one_by_one), sizes
+
+
 @pytest.mark.parametrize("native_kernels", ["1", "0"])
 def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q4, native_kernels, monkeypatch):
     """The whole path, eager (prefill) and stepping: 8 tokens in one step give the logits of 8 one-token steps,
@@ -155,22 +184,9 @@ def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q
     if native_kernels == "0":  # a path of its own, prepared without the native kernels
         default_q4 = load_target("default", path="q4")
     execution = default_q4.execution
-    prompt = default_q4.encode_prompt("Write a haiku about the sea.")
-    chain = torch.tensor([[504, 2365, 282, 260, 4232, 30, 216, 339]])
-
-    def logits(step_sizes: list[int]) -> torch.Tensor:
-        cache, outputs, position, done = execution.new_cache(), [], prompt.shape[1], 0
-        with torch.inference_mode(), execution.active():
-            execution.forward(prompt, past_key_values=cache)
-            for n in step_sizes:
-                positions = torch.arange(position, position + n).view(1, n)
-                piece = chain[:, done : done + n]
-                outputs.append(execution.forward(piece, position_ids=positions, past_key_values=cache).logits[0])
-                position, done = position + n, done + n
-        return torch.cat(outputs)
-
-    one_by_one = logits([1] * 8)
-    assert torch.equal(logits([8]), one_by_one) and torch.equal(logits([3, 5]), one_by_one)
+    one_by_one = _chain_logits(default_q4, [1] * 8)
+    assert torch.equal(_chain_logits(default_q4, [8]), one_by_one)
+    assert torch.equal(_chain_logits(default_q4, [3, 5]), one_by_one)
     assert default_q4.config._attn_implementation == "sdpa"
     attention = ROW_ATTENTION if native_kernels == "1" else FLOAT64_SDPA
     assert execution.runner.config._attn_implementation == attention

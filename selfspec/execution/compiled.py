@@ -18,9 +18,9 @@ cache, each row's mask showing it its own prefix and ancestors, in `tree`. The s
 place, after the cache's `length`, into the cache's own storage (kv_storage.WrittenInPlace: `storage`, `reserve`,
 `mark_filled`), so a step copies no cache.
 Only the graphs the row split sends steps to are built (`graphs_needed`: `tree` alone where the packed kernel wins
-from two rows). The q4 path (q4.py) has one graph of its own, `q4`: 2-64 rows of its twin (4-bit linears, a
-bfloat16 LM head), compiled without its weights like `few`, a one-token step padded to two rows; its products'
-rows do not depend on the row count, so no split decides anything there. Compiling takes a minute or two per graph
+from two rows). The q4 path (q4.py) has one graph of its own, `q4`: 1-64 rows of its twin (4-bit linears, a
+bfloat16 LM head, the row attention), compiled without its weights like `few`; its rows do not depend on the row
+count, so no split decides anything there. Compiling takes a minute or two per graph
 on a 2-core CPU, once per kind of CPU, model weights, dtype and software versions: the packages are stored under the
 selfspec cache (`package_dir`); under `auto` (and `q4`) a background process builds them while requests run on the
 eager path (background.py). Prefill and anything else the graphs do not cover (more than 64 new tokens, a short
@@ -57,7 +57,7 @@ MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards r
 MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batch engine's); more run eager
 # graph -> the new tokens a row it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others
 # float32's
-GRAPHS = {"few": (1, 3), "tree": (1, MAX_TREE_ROWS), "q4": (2, MAX_TREE_ROWS)}
+GRAPHS = {"few": (1, 3), "tree": (1, MAX_TREE_ROWS), "q4": (1, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
 PACKAGE_FORMAT = 5  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
