@@ -130,7 +130,8 @@ class _SmallRowProducts(torch.overrides.TorchFunctionMode):
 
 def _float64_attention(model: torch.nn.Module) -> bool:
     """Whether `model` (the q4 path's twin) attends in float64 over a float64 cache (FLOAT64_SDPA)."""
-    return model.config._attn_implementation == FLOAT64_SDPA  # transformers gives no public reader
+    attention = model.config._attn_implementation  # transformers gives no public reader
+    return attention == FLOAT64_SDPA
 
 
 def _traced_twin(model: torch.nn.Module, kind: str) -> torch.nn.Module:
@@ -140,7 +141,8 @@ def _traced_twin(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     positions of SmolLM2's 30 layers in the graph). `tree` takes the fast path's grouped SDPA (attention.py); `few`,
     built only where selfspec's native kernels are, their row attention, faster at 1-3 query rows."""
     twin = sharing_copy(model)
-    if twin.config._attn_implementation == "sdpa":  # transformers gives no public reader
+    attention = twin.config._attn_implementation  # transformers gives no public reader
+    if attention == "sdpa":
         twin.set_attn_implementation(ROW_ATTENTION if kind == "few" else GROUPED_SDPA)
     return twin
 
