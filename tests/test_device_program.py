@@ -144,3 +144,28 @@ def test_the_device_program_rehearsed_in_an_empty_directory(tmp_path, fake_share
     with tarfile.open(out / "results.tar.xz") as archive:
         table = json.load(archive.extractfile("results/table.json"))
     assert set(table) >= {"float32", "bfloat16", "heads"}
+
+
+@pytest.mark.parametrize("with_filter", [True, False])
+def test_an_archive_unpacks_on_a_python_with_or_without_tarfiles_filter(tmp_path, monkeypatch, with_filter):
+    """The device's Python may predate tarfile's "data" filter (3.11.4): plain files unpack either way, and a member
+    that would land outside the site is refused."""
+    from selfspec.device import bundle
+
+    if not with_filter:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "mod.py").write_text("x = 1\n")
+    good, bad = tmp_path / "good.tar", tmp_path / "bad.tar"
+    with tarfile.open(good, "w") as archive:
+        archive.add(tmp_path / "src" / "pkg", arcname="pkg")
+    with tarfile.open(bad, "w") as archive:
+        archive.add(tmp_path / "src" / "pkg" / "mod.py", arcname="../escaped.py")
+    site = tmp_path / "site"
+    site.mkdir()
+    with tarfile.open(good) as archive:
+        bundle._extract(archive, site)
+    assert (site / "pkg" / "mod.py").read_text() == "x = 1\n"
+    with tarfile.open(bad) as archive, pytest.raises((SelfspecError, tarfile.TarError)):
+        bundle._extract(archive, site)
+    assert not (tmp_path / "escaped.py").exists()
