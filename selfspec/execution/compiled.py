@@ -88,7 +88,7 @@ def package_dir(model: torch.nn.Module, model_name: str, four_bit: bool = False)
     )
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     if four_bit:  # its attention (native row attention, or float64 SDPA over a float64 cache) is in the graph
-        dtype += "-q4-rowattention" if _float64_attention(model) is False else "-q4-f64attention"
+        dtype += "-q4-f64attention" if _float64_attention(model) else "-q4-rowattention"
     key = (
         f"{Path(model_name).name}--{weights_digest(model, buffers=four_bit)}--{dtype}--format{PACKAGE_FORMAT}"
         f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"

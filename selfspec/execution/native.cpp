@@ -106,19 +106,13 @@ void rows_chunk(const float* x, int64_t rows, int64_t K, const float* w, const f
     default: return features<4>(x, K, w, bias, y, N, begin, end);
   }
 }
-#endif
 
-
-#ifdef SELFSPEC_VECTOR
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kMaskedBelow = -1e30f;  // an additive mask entry this low hides its key (finfo.min, -inf)
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc = zero();
-  const int64_t vector_end = n - n % kLanes;
-  for (int64_t k = 0; k < vector_end; k += kLanes) acc = fma(load(a + k), load(b + k), acc);
-  float sum = total(acc);
-  for (int64_t k = vector_end; k < n; k++) sum += a[k] * b[k];
+  float sum;
+  dots<1, 1>(a, n, b, nullptr, &sum, 1);  // the small-row product's order: lanes, one horizontal sum, the tail
   return sum;
 }
 
