@@ -130,7 +130,7 @@ def _generate(
     on_tokens: Callable[[tuple[int, ...]], None] | None,
 ) -> tuple[tuple[int, ...], GenerationStats]:
     """speculative_generate's loop, on a checked request."""
-    forward, device, eos = target.forward, target.device, set(target.eos_token_ids)
+    forward, device, dtype, eos = target.forward, target.device, target.dtype, set(target.eos_token_ids)
     generator = torch.Generator(device=device).manual_seed(seed)
     committed: list[int] = input_ids[0].tolist()
     new_tokens: list[int] = []
@@ -156,7 +156,7 @@ def _generate(
             _check_root(drafter, tree, committed[-1])
             forward_start = time.perf_counter()
             # 3. One target forward over the tree, after the cached prefix.
-            inputs = build_tree_inputs(tree, len(committed) - 1, target.dtype, device)
+            inputs = build_tree_inputs(tree, len(committed) - 1, dtype, device)
             output = tree_forward(forward, cache, inputs, drafter.hidden_layers)
             # 4. Verify: accepted path plus the target's own token (its host sync ends the forward's time).
             result = verify(tree, output.logits, sampling, StepDraws(seed, len(new_tokens), generator))

@@ -195,6 +195,8 @@ def test_the_in_place_cache_equals_a_fresh_prefill_after_compaction_and_growth()
     for layer, reference in zip(cache.layers, fresh.layers, strict=True):
         torch.testing.assert_close(layer.keys, reference.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.values, reference.values, atol=1e-4, rtol=1e-4)
+    with pytest.raises(AttributeError, match="storage"):  # keys are views of the storage: no other tensor replaces them
+        cache.layers[0].keys = cache.layers[0].keys.clone()
 
 
 @pytest.mark.parametrize("family", CORE_FAMILIES)

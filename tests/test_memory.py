@@ -9,8 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from selfspec import SelfSpec
-from selfspec.memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES
+from selfspec.memory import HUGE_PAGE, KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, TENSOR_ALIGNMENT, into_huge_pages
+from selfspec.models import load_target
 
 from .helpers import make_tiny_target
 
@@ -110,3 +114,47 @@ def test_each_request_through_one_object_releases_what_it_freed(monkeypatch):
     for seed in range(3):
         spec.generate(input_ids=[1, 2, 3, 4], max_new_tokens=4, seed=seed)
     assert len(calls) == 3
+
+
+def _huge_pages_in(address: int) -> int | None:
+    """AnonHugePages (kB) of the mapping of this process that holds `address`; None if no mapping does."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: start-end perms offset dev inode [path]
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                mapping = start <= address < end
+            elif mapping and fields[0] == "AnonHugePages:":
+                return int(fields[1])
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_a_loaded_targets_weights_are_copied_into_one_mapping_on_huge_pages(tiny_checkpoint):
+    target = load_target(str(tiny_checkpoint), path="stock")
+    tensors = [*target.model.parameters(), *target.model.buffers()]
+    addresses = sorted(tensor.data_ptr() for tensor in tensors)
+    assert addresses[0] % HUGE_PAGE == 0  # the first tensor starts on a 2 MB boundary
+    assert all(address % TENSOR_ALIGNMENT == 0 for address in addresses)
+    # one mapping, tensors one after another: the span is the tensors' bytes and little more
+    span = max(tensor.data_ptr() + tensor.numel() * tensor.element_size() for tensor in tensors) - addresses[0]
+    assert span <= sum(tensor.numel() * tensor.element_size() + TENSOR_ALIGNMENT for tensor in tensors)
+    tied = target.model.lm_head.weight.data_ptr() == target.model.get_input_embeddings().weight.data_ptr()
+    assert tied == bool(target.model.config.tie_word_embeddings)  # tied weights stay tied, others apart
+    enabled = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" not in enabled and span >= HUGE_PAGE:
+        assert _huge_pages_in(addresses[0]) > 0
+
+
+def test_copies_on_huge_pages_equal_the_originals_and_outlive_them():
+    originals = [torch.randn(3, 5), torch.arange(7), torch.randn(4, 4).t(), torch.ones(2, dtype=torch.bfloat16)]
+    expected = [tensor.clone() for tensor in originals]
+    copies = into_huge_pages(originals)
+    if copies is None:
+        pytest.skip("no transparent huge pages on this system")
+    del originals
+    for copy, tensor in zip(copies, expected, strict=True):
+        assert copy.dtype == tensor.dtype and copy.is_contiguous() and torch.equal(copy, tensor)
+    copies[0].add_(1)  # the copies are writable, and their own memory
+    assert torch.equal(copies[0], expected[0] + 1)

@@ -288,6 +288,8 @@ class CompiledStep:
         self.model, self.model_name, self.dispatch, self.four_bit = model, model_name, dispatch, four_bit
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
+        self.dtype = next(model.parameters()).dtype  # the masks' (the q4 path's KV storage may be float64)
+        self._visible = torch.zeros(0, dtype=self.dtype)  # a one-token step's mask: a prefix of it, read only
         self._directory: Path | None = None
 
     @property
@@ -429,13 +431,16 @@ class CompiledStep:
         positions in place, after the `length` they hold (every row's: the batch engine's rows of other lengths see
         only their own positions through the mask)."""
         (batch, n), cached = input_ids.shape, cache.layers[0].length
-        dtype = next(self.model.parameters()).dtype  # the mask's (the q4 path's KV storage may be float64)
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
-        if attention_mask is None:  # a chain: causal among the new tokens
-            attention_mask = causal_block_mask(cached, n, dtype, input_ids.device)
+        if attention_mask is None and n == 1:  # one token sees every cached position
+            if self._visible.numel() <= cached:
+                self._visible = torch.zeros(2 * (cached + 1), dtype=self.dtype)
+            attention_mask = self._visible[: cached + 1].view(1, 1, 1, cached + 1)
+        elif attention_mask is None:  # a chain: causal among the new tokens
+            attention_mask = causal_block_mask(cached, n, self.dtype, input_ids.device)
         position_ids = position_ids.expand(batch, n)
-        mask = attention_mask.to(dtype).expand(batch, 1, n, cached + n)
+        mask = attention_mask.to(self.dtype).expand(batch, 1, n, cached + n)
         kind, rows = self.graph_for(n, batch)
         if rows > n:
             input_ids, position_ids, mask = _padded(input_ids, position_ids, mask, rows)

@@ -28,13 +28,47 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace, WrittenInPlace):
     writes its positions in place, and `keys`/`values` are views of the filled prefix [0, length). Compaction
     (`keep`) and trimming (`truncate`) move or drop positions inside that storage."""
 
+    _key_store: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+    _value_store: torch.Tensor | None = None
+    length = 0  # positions filled
+
     def __init__(self, store_dtype: torch.dtype | None = None, **kwargs):
         """store_dtype: the storage's dtype (None: the keys' own; the q4 path keeps float64, see attention.py)."""
         super().__init__(**kwargs)
         self.store_dtype = store_dtype
-        self._key_store: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
-        self._value_store: torch.Tensor | None = None
-        self.length = 0  # positions filled
+
+    # `keys` and `values` are views of the filled prefix made when read: a compiled step writes every layer in place
+    # and nothing reads them until an eager forward does (making 60 views a step cost ~0.1 ms). Before the storage
+    # exists they are what transformers' own code sets; after, the storage is the only way in.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys if self._key_store is None else self._key_store[..., : self.length, :]
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        self._check_settable()
+        self._keys = keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values if self._value_store is None else self._value_store[..., : self.length, :]
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._check_settable()
+        self._values = values
+
+    def _check_settable(self) -> None:
+        if self._key_store is not None:
+            raise AttributeError("an in-place cache layer's keys and values are its storage's: write through update")
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self._key_store = self._value_store = None
+        self.length = 0
+        super().reset()
 
     @property
     def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -45,9 +79,9 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace, WrittenInPlace):
         return self._key_store, self._value_store
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
         self._key_store = self._value_store = None
         self.length = 0
+        super().lazy_initialization(key_states, value_states)
 
     def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         capacity = 0 if self._key_store is None else self._key_store.shape[-2]
@@ -71,8 +105,6 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace, WrittenInPlace):
         """Positions [0, length) of `storage` hold this layer's keys and values (a writer other than `update` wrote
         them in place); positions past `length` are outside the cache even if written."""
         self.length = length
-        self.keys = self._key_store[..., :length, :]
-        self.values = self._value_store[..., :length, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -118,11 +150,6 @@ class InPlaceLayer(DynamicLayer, CompactsInPlace, WrittenInPlace):
             raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
         if tokens_to_remove:
             self.truncate(max(0, self.length + tokens_to_remove))
-
-    def reset(self) -> None:
-        self._key_store = self._value_store = None
-        self.length = 0
-        super().reset()
 
 
 class InPlaceCache(DynamicCache):

@@ -32,9 +32,14 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
     is_chain_prefix = accepted_path == tuple(range(kept))
     offsets = None
     for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+        if isinstance(layer, CompactsInPlace):
+            stored = layer.get_seq_length()  # its keys are views made when read
+        elif not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue  # layers that share another layer's KV hold nothing of their own
-        stored = layer.keys.shape[-2]
+        else:
+            stored = layer.keys.shape[-2]
+        if not stored:
+            continue
         base = stored - n_nodes  # where the tree starts in this layer's storage
         if base < 0:
             raise RuntimeError(f"the cache holds {stored} positions, fewer than the {n_nodes}-node tree just forwarded")
@@ -43,7 +48,7 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
                 layer.truncate(base + kept)
             else:
                 if offsets is None:
-                    offsets = torch.tensor(accepted_path, device=layer.keys.device)
+                    offsets = torch.tensor(accepted_path, device=layer.device)
                 layer.keep(base, offsets)
         elif is_chain_prefix:
             layer.keys = layer.keys[..., : base + kept, :]
