@@ -1,13 +1,13 @@
 """selfspec's native kernels (native.cpp), built once per machine with the C++ compiler the compiled path uses and kept
 under the selfspec cache, registered as PyTorch operators:
 
-- `selfspec::small_rows(input, weight, bias)`: a float32 x W^T (+ b) for 1-16 rows that streams the weight as stored.
-  At one row a product only has to read its weight once, and on the 2-core EPYC neither of PyTorch's kernels does that
-  at the speed memory allows: all of SmolLM2-135M's float32 products (0.54 GB) take 17 ms on oneDNN's packed weights
-  and 34 ms on MKL, against 13.2 ms here (docs/execution.md). The fast path's linear layers call it below their row
-  split (linears.py, measured against the packed kernel by calibration.py) and the compiled `few` graph (compiled.py)
-  is traced with every product on it. Other dtypes, more than 16 rows or a weight not stored contiguous fall back to
-  `torch.nn.functional.linear` inside the operator.
+- `selfspec::small_rows(input, weight, bias)`: a float32 x W^T (+ b) for 1-16 rows that streams the weight as stored
+  (once, whatever the row count). At one row a product only has to read its weight once, and on the 2-core EPYC neither
+  of PyTorch's kernels does that at the speed memory allows: all of SmolLM2-135M's float32 products (0.54 GB) take 17 ms
+  on oneDNN's packed weights and 34 ms on MKL, against 13.2 ms here (docs/execution.md). The fast path's linear layers
+  call it below their row split (linears.py, measured against the packed kernel by calibration.py) and the compiled
+  `few` graph (compiled.py) is traced with every product on it. Other dtypes, more than 16 rows or a weight not stored
+  contiguous fall back to `torch.nn.functional.linear` inside the operator.
 - `selfspec::row_attention(query, key, value, mask, scale)`: float32 attention whose every query row is computed in
   one fixed order, so a tree's row equals the one-token step's bit for bit: the q4 path's attention (attention.py),
   in place of float64 SDPA.
