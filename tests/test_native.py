@@ -87,6 +87,7 @@ def test_the_unpacked_kernels_name_keys_the_stored_row_split():
     assert dispatch.kernel == "stock"
     dispatch.use_small_rows()
     assert dispatch.kernel == "small"
+    assert dispatch.key == f"small-r{native_module.SMALL_ROWS_REVISION}"  # a new kernel revision is measured again
 
 
 def _tree_mask(cached: int, rows: int, hidden: tuple[int, int] | None = None) -> torch.Tensor:

@@ -89,7 +89,7 @@ def calibrate(dispatch: RowDispatch, modules: list[torch.nn.Module], remeasure: 
     path = (
         cache_root()
         / "profiles"
-        / f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads--linears-{signature}--{dispatch.kernel}-rows.json"
+        / f"cpu-{cpu_signature()}-{torch.get_num_threads()}threads--linears-{signature}--{dispatch.key}-rows.json"
     )
     if path.is_file() and not remeasure:
         dispatch.stock_rows, dispatch.source = int(json.loads(path.read_text())["stock_rows"]), str(path)

@@ -44,6 +44,14 @@ class RowDispatch:
         """The unpacked kernel's name (for reports and the calibration's key)."""
         return "stock" if self.stock is F.linear else "small"
 
+    @property
+    def key(self) -> str:
+        """What keys the stored row split: the unpacked kernel's name, and for selfspec's own its revision (a changed
+        kernel is measured again)."""
+        from . import native
+
+        return self.kernel if self.kernel == "stock" else f"{self.kernel}-r{native.SMALL_ROWS_REVISION}"
+
     def use_stock(self, hidden: torch.Tensor) -> bool:
         return hidden.numel() < self.stock_rows * hidden.shape[-1]  # rows = numel / in_features
 
