@@ -3,9 +3,12 @@
 - oneDNN compiles kernels for each shape it runs (the packed linears: one set per row count and weight shape, ~0.6 MB
   on an AVX2 CPU) and keeps them in two caches, its own and that of PyTorch's ideep layer, of 1,024 entries each by
   default. A process meeting new prompt lengths and tree sizes grew by up to ~600 MB that way. Loading a target
-  (models.apply_environment_defaults) sets both (KERNEL_CACHE_VARIABLES) to KERNEL_CACHE_ENTRIES, enough for every
-  shape a decoding step reuses; the caches read the setting when the first kernel is made, and a value the user set
-  wins.
+  (models.apply_environment_defaults) sets both (KERNEL_CACHE_VARIABLES) to KERNEL_CACHE_ENTRIES, enough for the
+  shapes a decoding step reuses; the caches read the setting when the first kernel is made, and a value the user set
+  wins. At 256 entries a server's batched trees (four requests, `auto`) filled them for its first ~450 requests, the
+  heap in use growing 230 -> 270 MB; at 64, 192 -> 199 MB by request 250, as fast (154 s against 150 s for 450
+  requests) and with single-request `auto` as fast (62.8-66.3 tokens/s against 60.9-65.7, 8 MT-bench prompts)
+  (probes on the 2-core EPYC, 2026-11-27).
 - Memory freed during a request (activations, logits, the request's KV cache, evicted kernels) stays with the C
   allocator, fragmented, and the resident size creeps up. `release_freed_memory` hands it back to the system
   (glibc's `malloc_trim`; elsewhere nothing), once per request: ~8 ms on the 2-core EPYC.
@@ -30,7 +33,7 @@ import sys
 
 import torch
 
-KERNEL_CACHE_ENTRIES = 256  # set when a target is loaded, before its weights are packed (models.py)
+KERNEL_CACHE_ENTRIES = 64  # set when a target is loaded, before its weights are packed (models.py)
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 
 

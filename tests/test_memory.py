@@ -39,7 +39,7 @@ def run(rows):  # a new row count: oneDNN compiles kernels for each weight shape
     for weight, pack in zip(weights, packed):
         packed_linear(torch.randn(rows, weight.shape[1]), pack, None, weight.shape[0])
 
-for rows in range(2, 202):  # 400 kernels: the caches (256 entries) are full well before the end
+for rows in range(2, 202):  # 400 kernels: the caches (KERNEL_CACHE_ENTRIES) are full well before the end
     run(rows)
 middle = resident_mb()
 for rows in range(202, 402):  # 400 more
