@@ -1,20 +1,23 @@
 """Soak of `selfspec serve`: thousands of short requests through the real server, its resident memory read as it goes.
 
     python scripts/soak_serve.py [--requests 2000] [--clients 4] [--max-tokens 24] [--out runs/serve-soak]
+    python scripts/soak_serve.py --path compiled --threads 0 --requests 200 --clients 8 --max-tokens 16-128
 
 The server (uvicorn and the batch scheduler, as `selfspec serve` runs them) runs in threads of this process on the
 default model with `auto`, on --path (default fast; compiled reads stored graphs; no compiling here:
-$SELFSPEC_COMPILE=0; decoding on a thread runs slower than `selfspec serve` does on its main thread: memory is what
-this measures), and --clients client processes send
-it chat requests over loopback HTTP, one at a time each: the held-out MT-bench, HumanEval and ShareGPT prompts in turn,
---max-tokens each, prompts of even index greedy and the others sampled (T = 0.8, top-p 0.95, seed = the prompt's index),
-every third request streamed. Requests go in rounds of --every; after each round, with nothing in flight, the process's
-resident memory (VmRSS) is read: what the server keeps between requests, not the working set of those in flight, which
-a sampler thread records as each round's peak. A prompt that comes round again is asked with the same settings, so
-its reply must be the same text: greedy ones token for token (the run fails if one differs); seeded ones up to the
-rounding of a batched step (counted, docs/serve.md). After the soak, the first replies of --check greedy prompts are
-compared with `selfspec generate --drafter none` alone (the same model in this process). Writes results.json and
-results.md to --out; the growth between request --from (default 200) and the last is the figure the bar is set on.
+$SELFSPEC_COMPILE=0; decoding on a thread runs slower than `selfspec serve` does on its main thread: memory is what this
+measures), and --clients client processes send it chat requests over loopback HTTP, one at a time each: the held-out
+MT-bench, HumanEval and ShareGPT prompts in turn, --max-tokens each (a range A-B: each prompt its own, drawn from it by
+the prompt's index), prompts of even index greedy and the others sampled (T = 0.8, top-p 0.95, seed = the prompt's
+index), every third request streamed. Requests go in rounds of --every; after each round, with nothing in flight, the
+process's resident memory (VmRSS) is read: what the server keeps between requests, not the working set of those in
+flight, which a sampler thread records as each round's peak. A prompt that comes round again is asked with the same
+settings, so its reply must be the same text: greedy ones token for token (the run fails if one differs); seeded ones up
+to the rounding of a batched step (counted, docs/serve.md). A reply must be whole: a finish reason of `stop`, or
+`length` at its max_tokens (the run fails on one that is not: a truncated reply). After the soak, the first replies of
+--check greedy prompts are compared with `selfspec generate --drafter none` alone (the same model in this process).
+Writes results.json and results.md to --out; the growth between request --from (default 200) and the last is the figure
+the bar is set on.
 """
 
 from __future__ import annotations
@@ -42,9 +45,32 @@ def prompts() -> list[str]:
     return [group[k] for k in range(max(map(len, sets))) for group in sets if k < len(group)]
 
 
-def settings(index: int, prompt_index: int, max_tokens: int) -> dict:
-    """Request `index`'s body settings: by its prompt (greedy or seeded), streamed every third request."""
-    body: dict = {"max_tokens": max_tokens, "stream": index % 3 == 0}
+def token_limit(prompt_index: int, max_tokens: tuple[int, int]) -> int:
+    """A prompt's max_tokens: the range's own for every prompt, or one drawn from it by the prompt's index."""
+    low, high = max_tokens
+    return low + (prompt_index * 7919) % (high - low + 1)
+
+
+def parse_limit(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        limits = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-tokens takes N or A-B, got '{text}'") from None
+    if not 1 <= limits[0] <= limits[1]:
+        raise argparse.ArgumentTypeError(f"--max-tokens takes 1 <= A <= B, got '{text}'")
+    return limits
+
+
+def is_whole(reply: dict, limit: int) -> bool:
+    """A reply that ended at a stop, or at its token limit exactly (not one cut short)."""
+    return reply["finish"] == "stop" or (reply["finish"] == "length" and reply["tokens"] == limit)
+
+
+def settings(index: int, prompt_index: int, max_tokens: tuple[int, int]) -> dict:
+    """Request `index`'s body settings: by its prompt (greedy or seeded, its token limit), streamed every third
+    request."""
+    body: dict = {"max_tokens": token_limit(prompt_index, max_tokens), "stream": index % 3 == 0}
     if prompt_index % 2:
         body.update(SAMPLED, seed=prompt_index)
     return body
@@ -54,7 +80,7 @@ def one_request(url: str, prompt: str, body: dict) -> dict:
     """One chat request -> its text, finish reason and token count, or its error."""
     payload = {"messages": [{"role": "user", "content": prompt}], **body}
     connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=600)
-    text, tokens, error = "", 0, None
+    text, tokens, error, finish = "", 0, None, None
     try:
         connection.request("POST", "/v1/chat/completions", json.dumps(payload), {"Content-Type": "application/json"})
         reply = connection.getresponse()
@@ -65,6 +91,7 @@ def one_request(url: str, prompt: str, body: dict) -> dict:
             return {
                 "text": answer["choices"][0]["message"]["content"],
                 "tokens": answer["usage"]["completion_tokens"],
+                "finish": answer["choices"][0]["finish_reason"],
                 "error": None,
             }
         while line := reply.readline():
@@ -76,13 +103,14 @@ def one_request(url: str, prompt: str, body: dict) -> dict:
                 error = chunk["error"]["message"]
             elif chunk["choices"]:
                 text += chunk["choices"][0]["delta"].get("content") or ""
+                finish = chunk["choices"][0].get("finish_reason") or finish
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     except (OSError, http.client.HTTPException, ValueError) as failure:
         error = f"{type(failure).__name__}: {failure}"
     finally:
         connection.close()
-    return {"text": text, "tokens": tokens, "error": error}
+    return {"text": text, "tokens": tokens, "finish": finish, "error": error}
 
 
 def resident_mb() -> float:
@@ -127,13 +155,13 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
     spec.target.execution.prepare()  # as `selfspec serve` does
     scheduler = Scheduler(spec, args.slots)
     drafter = scheduler.engine.slot_drafter(0).describe()  # built before the first request, as the command does
-    server = ServerThread(scheduler, ServedModel(spec.target.name, spec.target, args.drafter, args.max_tokens))
+    server = ServerThread(scheduler, ServedModel(spec.target.name, spec.target, args.drafter, args.max_tokens[1]))
     sampler = PeakSampler()
     sampler.start()
     samples = [{"requests": 0, "rss_mb": round(resident_mb(), 1), "peak_mb": round(sampler.take(), 1), "wall_s": 0.0}]
     first_reply: dict[int, str] = {}  # prompt index -> its first reply's text
     differing = {"greedy": [], "sampled": []}
-    counts = {"errors": 0, "tokens": 0, "repeats": {"greedy": 0, "sampled": 0}}
+    counts = {"errors": 0, "truncated": 0, "tokens": 0, "repeats": {"greedy": 0, "sampled": 0}}
     began = time.perf_counter()
     try:
         for start in range(0, args.requests, args.every):
@@ -149,6 +177,9 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
                     print(f"request {index}: {reply['error']}", file=sys.stderr, flush=True)
                     continue
                 counts["tokens"] += reply["tokens"]
+                if not is_whole(reply, token_limit(p, args.max_tokens)):
+                    counts["truncated"] += 1
+                    print(f"request {index}: {reply['finish']} after {reply['tokens']} tokens", file=sys.stderr)
                 kind = "sampled" if p % 2 else "greedy"
                 if p in first_reply:
                     counts["repeats"][kind] += 1
@@ -164,7 +195,7 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
                 "wall_s": round(time.perf_counter() - began, 1),
             }
             samples.append(sample)
-            print(json.dumps({**sample, "errors": counts["errors"]}), flush=True)
+            print(json.dumps({**sample, "errors": counts["errors"], "truncated": counts["truncated"]}), flush=True)
         health = scheduler.health()
     finally:
         sampler.stopped.set()
@@ -172,7 +203,9 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
     alone = SelfSpec(spec.target, drafter="none")
     greedy = [p for p in first_reply if p % 2 == 0][: args.check]
     unlike_alone = [
-        p for p in greedy if alone.generate(texts[p], max_new_tokens=args.max_tokens).text != first_reply[p]
+        p
+        for p in greedy
+        if alone.generate(texts[p], max_new_tokens=token_limit(p, args.max_tokens)).text != first_reply[p]
     ]
     counts["checked_alone"] = len(greedy)
     return {
@@ -214,7 +247,7 @@ def write_outputs(out: Path, meta: dict, result: dict, summary: dict) -> None:
         f"# selfspec serve soak: {meta['requests']} requests, {result['model']}, drafter {result['drafter']}",
         "",
         f"{meta['date']}, commit {meta['commit']}, {meta['machine']}, path {result['path']}, {meta['slots']} slots, "
-        f"{meta['clients']} client processes, {meta['max_tokens']} tokens a request, torch threads {meta['threads']}. "
+        f"{meta['clients']} client processes, max_tokens {meta['max_tokens']}, torch threads {meta['threads']}. "
         f"Command: `{meta['command']}`",
         "",
         f"**Resident memory: {summary['rss_from_mb']:.1f} MB at request {summary['from_requests']}, "
@@ -223,7 +256,8 @@ def write_outputs(out: Path, meta: dict, result: dict, summary: dict) -> None:
         f"in flight, after each round of {meta['every']}; the highest seen while requests ran: "
         f"{summary['max_peak_mb']:.1f} MB).",
         "",
-        f"{counts['errors']} errors, {counts['tokens']} tokens in {result['wall_s']:.0f} s. Replies to a prompt asked "
+        f"{counts['errors']} errors, {counts['truncated']} truncated replies, {counts['tokens']} tokens in "
+        f"{result['wall_s']:.0f} s. Replies to a prompt asked "
         f"again with the same settings: greedy {counts['repeats']['greedy'] - len(differing['greedy'])}/"
         f"{counts['repeats']['greedy']} the same text, seeded sampling "
         f"{counts['repeats']['sampled'] - len(differing['sampled'])}/{counts['repeats']['sampled']}. "
@@ -248,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--clients", type=int, default=4, help="client processes, one request in flight each")
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=parse_limit, default=(24, 24), help="N, or a range A-B (per prompt)")
     parser.add_argument("--every", type=int, default=50, help="requests a round; memory is read after each")
     parser.add_argument("--from", dest="frm", type=int, default=200, help="the request growth is measured from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -267,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "clients": args.clients,
         "slots": args.slots,
-        "max_tokens": args.max_tokens,
+        "max_tokens": "-".join(map(str, sorted(set(args.max_tokens)))),
         "every": args.every,
         "threads": args.threads or "default",
         "machine": describe_cpu(),
@@ -279,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(Path(args.out), meta, result, summary)
     print(json.dumps(summary), flush=True)
     print(f"written to {args.out}/results.md")
-    failed = result["differing"]["greedy"] or result["differing"]["greedy_vs_alone"] or result["counts"]["errors"]
+    counts = result["counts"]
+    differing = result["differing"]
+    failed = differing["greedy"] or differing["greedy_vs_alone"] or counts["errors"] or counts["truncated"]
     return 1 if failed else 0
 
 
