@@ -289,7 +289,6 @@ class CompiledStep:
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
         self.dtype = next(model.parameters()).dtype  # the masks' (the q4 path's KV storage may be float64)
-        self._visible = torch.zeros(0, dtype=self.dtype)  # a one-token step's mask: a prefix of it, read only
         self._directory: Path | None = None
 
     @property
@@ -433,11 +432,7 @@ class CompiledStep:
         (batch, n), cached = input_ids.shape, cache.layers[0].length
         if position_ids is None:
             position_ids = torch.arange(cached, cached + n).view(1, n)
-        if attention_mask is None and n == 1:  # one token sees every cached position
-            if self._visible.numel() <= cached:
-                self._visible = torch.zeros(2 * (cached + 1), dtype=self.dtype)
-            attention_mask = self._visible[: cached + 1].view(1, 1, 1, cached + 1)
-        elif attention_mask is None:  # a chain: causal among the new tokens
+        if attention_mask is None:  # a chain: causal among the new tokens
             attention_mask = causal_block_mask(cached, n, self.dtype, input_ids.device)
         position_ids = position_ids.expand(batch, n)
         mask = attention_mask.to(self.dtype).expand(batch, 1, n, cached + n)

@@ -60,6 +60,7 @@ def build_tree_inputs(tree: DraftTree, prefix_len: int, dtype: torch.dtype, devi
 def causal_block_mask(cached: int, new: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[1, 1, new, cached + new] additive: each new position sees the cache, the new ones before it and itself."""
     mask = torch.zeros(new, cached + new, dtype=dtype, device=device)
-    future = torch.ones(new, new, dtype=torch.bool, device=device).triu(1)
-    mask[:, cached:].masked_fill_(future, torch.finfo(dtype).min)
+    if new > 1:  # one new token sees everything: nothing to hide (a plain decoding step, every step)
+        future = torch.ones(new, new, dtype=torch.bool, device=device).triu(1)
+        mask[:, cached:].masked_fill_(future, torch.finfo(dtype).min)
     return mask.view(1, 1, new, cached + new)
