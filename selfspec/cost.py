@@ -39,8 +39,9 @@ PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # not named here is at 1). compiled 2: steps of 1-3 tokens go to the graph the row split favours (compiled.py);
 # 3: `tree` takes them unpadded; 4 (and fast 2): steps below the row split on selfspec's small-row kernel; q4 2:
 # selfspec's row attention in place of float64 SDPA; compiled 5 and fast 3: the small-row kernel reads each weight once
-# whatever the row count (its 3 and 4 rows got cheaper, and the row split moved).
-PATH_REVISIONS = {"compiled": 5, "fast": 3, "q4": 2, "q4-compiled": 2}
+# whatever the row count (its 3 and 4 rows got cheaper, and the row split moved); compiled 6: `few` takes up to 16 rows,
+# as far as it keeps within 5% of `tree` (steps of 4-15 tokens got cheaper here).
+PATH_REVISIONS = {"compiled": 6, "fast": 3, "q4": 2, "q4-compiled": 2}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ os.environ["SELFSPEC_AUTO_PROFILE"] = "0"
 # The fast path's linear layers: one row on the stock kernel, 2+ rows packed (a fixed split, not this machine's
 # measured one), so every greedy test mixes the two kernels as decoding on such a CPU does.
 os.environ["SELFSPEC_STOCK_ROWS"] = "2"
+# The compiled path: steps of 1-3 rows in its `few` graph, more in `tree` (a fixed split, not the graphs timed), so
+# decoding through it mixes the two graphs.
+os.environ["SELFSPEC_FEW_ROWS"] = "3"
 # `auto` does not compile the real model's steps (minutes) in the suite; test_compiled compiles a tiny model by name.
 os.environ["SELFSPEC_COMPILE"] = "0"
 # The suite never reads what this machine stored (cost curves measured under other load, a row split, compiled graphs):

@@ -176,15 +176,57 @@ def test_a_mask_that_hides_cached_positions_is_honoured_by_the_graph(compiled_ta
     assert both == [alone if cut is None else alone[: cut + 1], [first_of_long]]
 
 
+def test_a_chain_in_few_gives_each_token_what_one_token_steps_give_it(compiled_target, monkeypatch):
+    """`few`'s rows do not depend on how many rows a step has: six tokens verified in one `few` step get the logits and
+    keys that six one-token steps give them, bit for bit (so every drafter's greedy output equals `none`'s on this
+    path even at a near tie). The split between the graphs is timed on the real packages."""
+    target, _, _ = compiled_target
+    step = target.execution.compiled
+    chain = torch.tensor([5, 17, 33, 40, 8, 9])
+    cached = len(LONG_PROMPT)
+    ran = {}
+    for kind in ("few", "tree"):
+        monkeypatch.setattr(step, "graph_for", lambda n, batch=1, kind=kind: (kind, n))
+        with torch.inference_mode(), target.execution.active():
+            for mode in ("one by one", "at once"):
+                cache = target.new_cache()
+                chunk_forward(target.forward, cache, torch.tensor([LONG_PROMPT]))
+                if mode == "at once":
+                    tree = DraftTree(tokens=chain, parents=torch.arange(-1, len(chain) - 1))
+                    logits = tree_forward(target.forward, cache, build_tree_inputs(tree, cached, target.dtype, "cpu"))
+                    logits = logits.logits
+                else:
+                    logits = torch.cat(
+                        [
+                            tree_forward(
+                                target.forward,
+                                cache,
+                                build_tree_inputs(DraftTree.root_only(int(token)), cached + i, target.dtype, "cpu"),
+                            ).logits
+                            for i, token in enumerate(chain)
+                        ]
+                    )
+                ran[kind, mode] = logits, cache.layers[-1].keys.clone()
+    assert torch.equal(ran["few", "one by one"][0], ran["few", "at once"][0])
+    assert torch.equal(ran["few", "one by one"][1], ran["few", "at once"][1])
+    torch.testing.assert_close(ran["tree", "at once"][0], ran["few", "one by one"][0], atol=1e-4, rtol=1e-4)
+    timings, spread = step.time_graphs(repeats=1)
+    assert set(timings) == set(compiled_module.SPLIT_SIZES) and spread >= 1.0
+    assert all(len(pair) == 2 and min(pair) > 0 for pair in timings.values())
+
+
 @pytest.mark.parametrize("name", ["none", "ngram"])
 def test_the_batch_engine_verifies_its_requests_in_one_compiled_step(compiled_target, monkeypatch, tmp_path, name):
-    """Requests of different lengths decoded together on the compiled path: their steps run in the `tree` graph as
-    one batch (rows of other lengths, each seeing its own prefix), and each request's greedy reply is its own alone."""
+    """Requests of different lengths decoded together on the compiled path: their steps run in one graph as one
+    batch (rows of other lengths, each seeing its own prefix: `few` up to its rows in all, `tree` beyond), and each
+    request's greedy reply is its own alone."""
     target, _, _ = compiled_target
     step = target.execution.compiled
     batches = []
-    runner = step.runners["tree"]
-    monkeypatch.setitem(step.runners, "tree", lambda ids, *rest: batches.append(ids.shape[0]) or runner(ids, *rest))
+    for kind, runner in list(step.runners.items()):
+        monkeypatch.setitem(
+            step.runners, kind, lambda ids, *rest, runner=runner: batches.append(ids.shape[0]) or runner(ids, *rest)
+        )
     prompts = [LONG_PROMPT, LONG_PROMPT[:25], LONG_PROMPT + LONG_PROMPT[5:30]]
     expected = [hf_greedy(target, prompt, 14, eos=-1) for prompt in prompts]
     engine = BatchEngine(target, lambda: create_drafter(name, target), slots=3)

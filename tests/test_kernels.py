@@ -28,6 +28,7 @@ from selfspec.execution import (
     packed_linear,
 )
 from selfspec.execution import native as native_module
+from selfspec.execution.compiled import FEW_ROWS_ENV, SPLIT_SIZES
 from selfspec.heads import create_drafter
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
@@ -379,24 +380,65 @@ def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-def test_small_compiled_steps_take_the_graph_the_row_split_favours(kernel, monkeypatch):
-    """Steps of 1-3 tokens run in `few` (selfspec's small-row kernel) as they are, only where that kernel is loaded and
-    wins at their rows, else in `tree`; 4+ always in `tree`, and so does a batch of requests' rows. The graphs
-    themselves: test_compiled."""
+def test_compiled_steps_take_few_up_to_its_split_and_tree_beyond(kernel, monkeypatch):
+    """A step runs in `few` (selfspec's small-row kernel and row attention) up to `few_limit` rows in all (requests x
+    new tokens), only where that kernel is loaded and wins at one row; until the two graphs are timed against each other
+    the linear layers' split bounds it; $SELFSPEC_FEW_ROWS fixes it. The graphs themselves: test_compiled."""
     monkeypatch.setattr(native_module, "loaded", lambda: kernel)
-    expected = {
-        1: [("tree", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # the packed kernel wins from one row
-        2: [("few", 1), ("tree", 2), ("tree", 3), ("tree", 4), ("tree", 9)],
-        3: [("few", 1), ("few", 2), ("tree", 3), ("tree", 4), ("tree", 9)],  # the AVX-512 EPYC
-        4: [("few", 1), ("few", 2), ("few", 3), ("tree", 4), ("tree", 9)],
-    }
-    for stock_rows, graphs in expected.items():
+    monkeypatch.delenv(FEW_ROWS_ENV)
+    sizes = (1, 2, 3, 4, 9, 16, 17)
+    for stock_rows in (1, 2, 3, 4):
         step = CompiledStep(torch.nn.Linear(1, 1), "m", dispatch=RowDispatch(stock_rows))
-        want = graphs if kernel else [("tree", n) for n in (1, 2, 3, 4, 9)]
-        assert [step.graph_for(n) for n in (1, 2, 3, 4, 9)] == want, stock_rows
-        assert [step.graph_for(n, batch=3) for n in (1, 2, 9)] == [("tree", 1), ("tree", 2), ("tree", 9)]
-    no_split = CompiledStep(torch.nn.Linear(1, 1), "m").graph_for(1)
-    assert no_split == (("few", 1) if kernel else ("tree", 1))  # no split measured: wherever the kernel is
+        want = [("few" if kernel and n < stock_rows else "tree", n) for n in sizes]
+        assert [step.graph_for(n) for n in sizes] == want, stock_rows
+        step.few_rows = 9  # the graphs timed: `few` up to 9 rows, unless the packed kernel wins from one row
+        want = [("few" if kernel and stock_rows > 1 and n <= 9 else "tree", n) for n in sizes]
+        assert [step.graph_for(n) for n in sizes] == want, stock_rows
+        few = kernel and stock_rows > 1
+        assert [step.graph_for(n, batch=3)[0] for n in (1, 3, 4)] == ["few" if few else "tree"] * 2 + ["tree"]
+    no_split = CompiledStep(torch.nn.Linear(1, 1), "m")
+    assert [no_split.graph_for(n)[0] for n in (16, 17)] == (["few", "tree"] if kernel else ["tree", "tree"])
+    monkeypatch.setenv(FEW_ROWS_ENV, "2")
+    assert [no_split.graph_for(n)[0] for n in (2, 3)] == (["few", "tree"] if kernel else ["tree", "tree"])
+    if kernel:
+        monkeypatch.setenv(FEW_ROWS_ENV, "two")
+        with pytest.raises(SelfspecError, match="SELFSPEC_FEW_ROWS must be a whole number"):
+            no_split.graph_for(1)
+
+
+@pytest.mark.parametrize(
+    "few_ms, tree_ms, few_rows",
+    [
+        ([1.0, 1.0, 1.04, 1.2, 1.0, 1.0, 1.0, 1.0], [1.0] * 8, 3),  # within 5% at 3 rows, not at 4: up to 3
+        ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.1], [1.0] * 8, 15),  # lost only at 16: up to 15
+        ([0.9] * 8, [1.0] * 8, 16),
+        ([1.1] * 8, [1.0] * 8, 0),  # `tree` wins from one row: `few` is never taken
+    ],
+)
+def test_the_split_between_the_compiled_graphs_is_timed_once_and_stored(
+    few_ms, tree_ms, few_rows, tmp_path, monkeypatch
+):
+    """Where both graphs are loaded, `few` takes steps up to the row count before the first of SPLIT_SIZES where it
+    runs over 5% slower than `tree`, measured once and stored beside the packages; a later load reads it; a busy
+    machine's timing is used for the run only."""
+    monkeypatch.setattr(native_module, "loaded", lambda: True)
+    monkeypatch.delenv(FEW_ROWS_ENV)
+    timings = {n: [few, tree] for n, few, tree in zip(SPLIT_SIZES, few_ms, tree_ms, strict=True)}
+    messages = []
+    step = CompiledStep(torch.nn.Linear(1, 1), "m", log=messages.append, dispatch=RowDispatch(4))
+    step._directory, step.runners = tmp_path, {"few": None, "tree": None}
+    monkeypatch.setattr(step, "time_graphs", lambda: (timings, 1.6))  # busy: not stored
+    step.settle_split()
+    assert step.few_limit() == few_rows and not (tmp_path / "few-rows.json").exists() and "varied 1.6x" in messages[-1]
+    monkeypatch.setattr(step, "time_graphs", lambda: (timings, 1.1))
+    step.settle_split()
+    stored = json.loads((tmp_path / "few-rows.json").read_text())
+    assert stored["few_rows"] == few_rows and stored["ms_few_tree"] == {str(n): ms for n, ms in timings.items()}
+    again = CompiledStep(torch.nn.Linear(1, 1), "m", dispatch=RowDispatch(4))
+    again._directory, again.runners = tmp_path, {"few": None, "tree": None}
+    monkeypatch.setattr(again, "time_graphs", lambda: pytest.fail("measured again"))
+    again.settle_split()
+    assert again.few_limit() == few_rows
 
 
 def test_a_curve_measured_on_an_older_revision_of_its_path_is_not_read(tmp_path, monkeypatch):

@@ -215,8 +215,12 @@ def _profile(args) -> None:
     if target.execution.pending is not None:
         print("compiled path: its graphs are not stored yet (`selfspec compile` builds them, then profile again)")
     if "compiled" in paths:
-        small = " / ".join(paths["compiled"].compiled.graph_for(n)[0] for n in (1, 2, 3))
-        print(f"compiled path: steps of 1 / 2 / 3 tokens run in its {small} graph (by that split), 4-64 in 'tree'")
+        few = paths["compiled"].compiled.few_limit()
+        print(
+            f"compiled path: steps of 1-{few} tokens run in its 'few' graph, {few + 1}-64 in 'tree'"
+            if few
+            else "compiled path: every step runs in its 'tree' graph"
+        )
     for name, path in stored.items():
         print(f"{name} curve stored in {path}")
 

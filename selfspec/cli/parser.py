@@ -136,7 +136,8 @@ def _add_measuring_commands(commands: argparse._SubParsersAction) -> None:
     profile.add_argument(
         "--recalibrate",
         action="store_true",
-        help="measure the fast path's row split anew and store it (else the stored one is kept)",
+        help="measure the row splits anew and store them (the fast path's linears', the compiled graphs'); else the "
+        "stored ones are kept",
     )
     profile.add_argument(
         "--json", action="store_true", help='print {"sizes": [...], "ms": {"stock": [...], "fast": [...]}} only'

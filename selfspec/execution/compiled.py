@@ -4,17 +4,20 @@ On a CPU the fast path's eager forward spends a third of a one-token step outsid
 ops a forward, each paying PyTorch's dispatch and Python's call overhead. `torch.export` traces the stock
 transformers forward (no modelling code is copied) into one graph; AOTInductor fuses the element-wise ops into C++
 loops and compiles it into a shared library that any later process loads in about a second. Two graphs:
-- `few`: 1-3 new tokens, traced with every product on selfspec's small-row kernel (native.py: the operator
-  `selfspec::small_rows`, which streams each weight as stored at the speed memory allows). Compiled without its
-  weights, it reads the model's own parameters (shared, not copied). Built only where that kernel is.
+- `few`: 1-16 rows (requests x new tokens), traced with every product on selfspec's small-row kernel (native.py:
+  the operator `selfspec::small_rows`, which streams each weight as stored at the speed memory allows) and its row
+  attention. Compiled without its weights, it reads the model's own parameters (shared, not copied). Built only where
+  that kernel is. Its rows do not depend on how many rows a call has (both kernels compute each row on its own, in
+  one order): a tree verified in `few` gives each node the logits one-token steps give it, bit for bit.
 - `tree`: 1-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
   once for small row counts (that packed copy lives in the package).
-A step of 1-3 tokens goes to `few` only where the small-row kernel beats the packed one at that many rows on this
-machine (the fast path's row split, `RowDispatch.stock_rows`, measured once per machine with that kernel loaded);
-elsewhere it runs in `tree` as it is.
+A step goes to `few` up to the rows where `few` still runs within 5% of `tree` on this machine (`few_limit`: the graphs
+timed against each other once, beside their packages: `settle_split`), preferring it there for its row invariance;
+`few` is built only where the small-row kernel beats the packed one at one row (the fast path's row split,
+`RowDispatch.stock_rows`, measured once per machine with that kernel loaded); elsewhere every step runs in `tree`.
 Every graph takes a batch: B rows of n new tokens, each row under its own whole mask over the cached positions and the
 new ones. One request is B = 1; the batch engine (selfspec/batch) verifies its requests' trees as B rows of a ragged
-cache, each row's mask showing it its own prefix and ancestors, in `tree`. The step's keys and values are written in
+cache, each row's mask showing it its own prefix and ancestors. The step's keys and values are written in
 place, after the cache's `length`, into the cache's own storage (kv_storage.WrittenInPlace: `storage`, `reserve`,
 `mark_filled`), so a step copies no cache.
 Only the graphs the row split sends steps to are built (`graphs_needed`: `tree` alone where the packed kernel wins
@@ -31,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -44,10 +49,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import SelfspecError
-from ..files import cache_root, cpu_signature
+from ..files import atomic_write_text, cache_root, cpu_signature
 from ..tree_attention import causal_block_mask
 from . import native
 from .attention import FLOAT64_SDPA, GROUPED_SDPA, ROW_ATTENTION
+from .calibration import measure_until_quiet
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP
@@ -57,11 +63,16 @@ MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards r
 MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batch engine's); more run eager
 # graph -> the new tokens a row it takes (fewer are padded: graph_for); `q4` is the q4 path's only graph, the others
 # float32's
-GRAPHS = {"few": (1, 3), "tree": (1, MAX_TREE_ROWS), "q4": (1, MAX_TREE_ROWS)}
+GRAPHS = {"few": (1, 16), "tree": (1, MAX_TREE_ROWS), "q4": (1, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 5  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+PACKAGE_FORMAT = 6  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
+FEW_ROWS_ENV = "SELFSPEC_FEW_ROWS"  # fixes the rows up to which steps run in `few` instead of measuring them (tests)
+SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `tree` are timed against each other
+# `few` is taken up to this much slower than `tree`: its rows equal one-token steps' bit for bit, `tree`'s do not
+FEW_PREFERENCE = 1.05
+SPLIT_FILE = "few-rows.json"  # beside the packages: the split measured between them
 
 
 def weights_digest(model: torch.nn.Module, buffers: bool = False) -> str:
@@ -139,7 +150,7 @@ def _traced_twin(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     attention reads the grouped key/value heads as they are. The stock function repeats every layer's cached keys and
     values per query-head group under a mask, at every step (2.4 ms more than the grouped one over 512 cached
     positions of SmolLM2's 30 layers in the graph). `tree` takes the fast path's grouped SDPA (attention.py); `few`,
-    built only where selfspec's native kernels are, their row attention, faster at 1-3 query rows."""
+    built only where selfspec's native kernels are, their row attention (row-invariant, and faster at its rows)."""
     twin = sharing_copy(model)
     attention = twin.config._attn_implementation  # transformers gives no public reader
     if attention == "sdpa":
@@ -282,14 +293,15 @@ class CompiledStep:
         dispatch: RowDispatch | None = None,
         four_bit: bool = False,
     ):
-        """dispatch: the fast path's row split, which decides the graph of a 1-3 token step (`graph_for`); without
-        one, such steps take `few` wherever the small-row kernel is loaded. four_bit: the q4 path's step (graph
-        `q4`), `model` being its twin."""
+        """dispatch: the fast path's row split, which decides whether `few` is used at all, and its rows until the
+        graphs are timed against each other (`few_limit`); without one, `few` is used wherever the small-row kernel is
+        loaded. four_bit: the q4 path's step (graph `q4`), `model` being its twin."""
         self.model, self.model_name, self.dispatch, self.four_bit = model, model_name, dispatch, four_bit
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
         self.dtype = next(model.parameters()).dtype  # the masks' (the q4 path's KV storage may be float64)
         self._directory: Path | None = None
+        self.few_rows: int | None = None  # the rows up to which `few` runs, once settled (settle_split)
 
     @property
     def directory(self) -> Path:
@@ -325,9 +337,9 @@ class CompiledStep:
             compile_step(self.model, kind, self.directory / f"{kind}.pt2", on_stage)
             self.log(f"[selfspec] compiled the '{kind}' step in {time.perf_counter() - began:.0f} s")
 
-    def load(self, compile_missing: bool = True) -> None:
+    def load(self, compile_missing: bool = True, remeasure: bool = False) -> None:
         """Load the needed packages, compiling those not stored yet unless `compile_missing` is False (then a
-        missing one is a SelfspecError)."""
+        missing one is a SelfspecError); then settle the split between them (`remeasure`: measured anew)."""
         if self.runners is not None:
             return
         if compile_missing:
@@ -352,6 +364,78 @@ class CompiledStep:
                 {name: own[name] for name in needed}, check_full_update=True, user_managed=True
             )
         self.runners = {kind: _Graph(runner) for kind, runner in runners.items()}
+        self.settle_split(remeasure)
+
+    def few_limit(self) -> int:
+        """The most rows (requests x new tokens) a step runs in `few`: 0 where `few` is not used (the q4 path, no
+        small-row kernel, or the packed kernel wins from one row on); else $SELFSPEC_FEW_ROWS, or the split measured
+        between the graphs (settle_split), or until then the rows below the linear layers' split."""
+        if self.four_bit or not native.loaded() or (self.dispatch is not None and self.dispatch.stock_rows <= 1):
+            return 0
+        high = GRAPHS["few"][1]
+        fixed = os.environ.get(FEW_ROWS_ENV)
+        if fixed:
+            if not fixed.isdigit():
+                raise SelfspecError(f"${FEW_ROWS_ENV} must be a whole number of rows (0-{high}), got '{fixed}'")
+            return min(high, int(fixed))
+        if self.few_rows is not None:
+            return self.few_rows
+        return high if self.dispatch is None else min(high, self.dispatch.stock_rows - 1)
+
+    def settle_split(self, remeasure: bool = False) -> None:
+        """Set `few_rows` where both graphs are loaded: the split stored beside the packages, else measured now (a
+        few seconds, once per machine: `time_graphs`) and stored where the machine was quiet enough to trust it."""
+        if not {"few", "tree"} <= set(self.runners or ()) or os.environ.get(FEW_ROWS_ENV):
+            return
+        path = self.directory / SPLIT_FILE
+        if path.is_file() and not remeasure:
+            self.few_rows = int(json.loads(path.read_text())["few_rows"])
+            return
+        (timings, _), spread, quiet = measure_until_quiet(self.time_graphs, lambda result: result[1])
+        sizes = [n for n in SPLIT_SIZES if n <= GRAPHS["few"][1]]
+        few_rows = 0
+        for size, following in zip(sizes, sizes[1:] + [sizes[-1] + 1], strict=True):
+            few, tree = timings[size]
+            if few > tree * FEW_PREFERENCE:
+                break
+            few_rows = following - 1
+        self.few_rows = few_rows
+        if quiet:
+            document = {"few_rows": few_rows, "ms_few_tree": timings, "preference": FEW_PREFERENCE}
+            atomic_write_text(path, json.dumps(document, indent=1) + "\n")
+        where = f"measured once, stored in {path}" if quiet else f"timings varied {spread:.1f}x: measured again later"
+        self.log(f"[selfspec] steps of up to {few_rows} rows run in the compiled 'few' graph, more in 'tree' ({where})")
+
+    def time_graphs(self, repeats: int = 5) -> tuple[dict[int, list[float]], float]:
+        """Time one step of each graph at each of SPLIT_SIZES rows over 512 cached positions, interleaved -> ({rows:
+        [few ms, tree ms]}: the medians, and the largest median over fastest round of any timing)."""
+        config, cached = self.model.config, 512
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = [n for n in SPLIT_SIZES if n <= GRAPHS["few"][1]]
+        stores = [
+            [torch.zeros(1, kv_heads, cached + sizes[-1], head_dim, dtype=self.dtype) for _ in range(2)]
+            for _ in range(config.num_hidden_layers)
+        ]
+        keys, values = [store[0] for store in stores], [store[1] for store in stores]
+        generator = torch.Generator().manual_seed(0)
+        samples = {(n, kind): [] for n in sizes for kind in ("few", "tree")}
+        with torch.inference_mode():
+            for round_index in range(repeats + 1):  # round 0 warms up
+                for n in sizes:
+                    tokens = torch.randint(0, config.vocab_size, (1, n), generator=generator)
+                    positions = torch.arange(cached, cached + n).view(1, n)
+                    mask = causal_block_mask(cached, n, self.dtype, "cpu").view(1, 1, n, cached + n)
+                    for kind in ("few", "tree"):
+                        began = time.perf_counter()
+                        self.runners[kind](tokens, positions, mask, keys, values)
+                        if round_index:
+                            samples[(n, kind)].append(time.perf_counter() - began)
+        timings = {
+            n: [round(statistics.median(samples[(n, kind)]) * 1e3, 3) for kind in ("few", "tree")] for n in sizes
+        }
+        spread = max(statistics.median(values) / min(values) for values in samples.values())
+        return timings, spread
 
     def route(self, eager):
         """The model's forward while the path is active: a decoding step the compiled graphs cover goes to them,
@@ -385,19 +469,11 @@ class CompiledStep:
         return forward
 
     def graph_for(self, n: int, batch: int = 1) -> tuple[str, int]:
-        """(graph, rows it runs) for a step of n new tokens a request: in `few` for one request's step of 1-3 tokens
-        where the small-row kernel is loaded and beats the packed one at that many rows here (without a row split:
-        wherever it is loaded); in `tree` otherwise (a batch's rows always)."""
+        """(graph, rows it runs) for a step of n new tokens for each of `batch` requests: in `few` up to `few_limit`
+        rows in all, in `tree` beyond."""
         if self.four_bit:
             return "q4", max(n, GRAPHS["q4"][0])
-        if (
-            batch == 1
-            and n <= GRAPHS["few"][1]
-            and native.loaded()
-            and (self.dispatch is None or n < self.dispatch.stock_rows)
-        ):
-            return "few", n
-        return "tree", n
+        return ("few" if n * batch <= self.few_limit() else "tree"), n
 
     def eligible(self, input_ids, cache, kwargs) -> bool:
         """A step the graphs take: [batch, n] new tokens (batch <= MAX_BATCH, n <= MAX_TREE_ROWS) over a cache whose

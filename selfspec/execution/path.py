@@ -80,7 +80,7 @@ class ExecutionPath:
         self.kv_dtype: torch.dtype | None = None  # the KV storage's (None: the model's; float64 under FLOAT64_SDPA)
         self._forward = model  # what `forward` calls, settled by `prepare`
         self._prepared = False
-        self.recalibrate = False  # measure the row split anew when the twin is built, not read the stored one
+        self.recalibrate = False  # measure the row splits (the linears', the compiled graphs') anew, not read them
         self._depth = 0  # generations in flight (nested `active()` blocks)
 
     def row_split(self) -> RowDispatch:
@@ -217,7 +217,7 @@ class ExecutionPath:
         """Load (or compile, once per machine) the compiled steps. Under `auto` a failure leaves the fast path, said
         once; asked for by name, it is an error."""
         try:
-            self.compiled.load()
+            self.compiled.load(remeasure=self.recalibrate)
         except (KeyboardInterrupt, SelfspecError):
             raise
         except Exception as error:  # noqa: BLE001  (export and C++ compilation fail in many ways)
