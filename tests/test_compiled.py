@@ -292,6 +292,8 @@ def test_packages_are_compiled_once_and_then_loaded(compiled_target):
         wrapper = next(name for name in package.namelist() if name.endswith("wrapper.json"))
         code = package.read(wrapper)
         assert b"small_rows" in code and b"row_attention" in code  # `few` calls selfspec's kernels
+        kernels = [package.read(name) for name in package.namelist() if name.endswith("kernel.cpp")]
+        assert kernels and not any(b"#pragma omp" in kernel for kernel in kernels)  # its own loops on one thread
     assert not [path for path in (cache / "compiled").rglob("*") if path.name.startswith(".")]
     messages = []
     again = CompiledStep(target.model, target.name, log=messages.append)

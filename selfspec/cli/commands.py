@@ -265,11 +265,13 @@ def _compile(args) -> None:
     if built is None:  # a request started this, and another build already runs
         print("selfspec compile: another process is building these graphs; leaving it to that one")
         return
-    target.execution.prepare()  # loads what was just stored
+    target.execution.prepare()  # loads what was just stored (and times `few` against `tree` once, where both are)
     curve = target_cost_curve(target)  # the compiled path's cost curve, measured once here if none is stored
+    few = step.few_limit()
     print(
-        f"selfspec compile: done in {time.perf_counter() - began:.0f} s; the compiled path's cost curve: "
-        f"{curve.source}; later runs load the graphs in a second or two",
+        f"selfspec compile: done in {time.perf_counter() - began:.0f} s; "
+        + (f"steps of up to {few} rows run in 'few', more in 'tree'; " if few else "")
+        + f"the compiled path's cost curve: {curve.source}; later runs load the graphs in a second or two",
         flush=True,
     )
 

@@ -227,9 +227,14 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
     # `tree` freezes the weights (packed into the package); `few` and `q4` read the model's own (CompiledStep.load):
-    # a package holding them would add their size twice to the process (copied out, and the library's pages).
+    # a package holding them would add their size twice to the process (copied out, and the library's pages). Their
+    # own fused loops (norms, rotary embeddings, residuals: a few thousand floats a row) run on one thread: an OpenMP
+    # region each, ~180 a step, cost more than they share out (1-4% of a step, the same results); their products and
+    # attention are selfspec's and PyTorch's kernels, on every thread.
     options = (
-        {"freezing": True} if kind == "tree" else {"freezing": False, "aot_inductor.package_constants_in_so": False}
+        {"freezing": True}
+        if kind == "tree"
+        else {"freezing": False, "aot_inductor.package_constants_in_so": False, "cpp.threads": 1}
     )
     try:
         with torch.no_grad(), warnings.catch_warnings():  # Inductor freezes the weights only without autograd
