@@ -83,8 +83,27 @@ def test_acceptance_estimates_follow_the_accept_history():
         estimate.record(2, 0, accepted)
     assert estimate.rate(1, 0) == pytest.approx((8 + 1.0) / (8 + 2))
     assert estimate.rate(1, 1) == pytest.approx(0.3 / 10)
-    assert estimate.rate(2, 0) == pytest.approx(1.0 / 10)
+    assert estimate.rate(2, 0) == pytest.approx(2 * 0.9 / 10)  # its prior: the estimate a level up, (8 + 1) / 10
     assert estimate.rate(1, 5) == estimate.rate(1, 2)  # ranks past the second share one estimate
+
+
+def test_a_depth_no_tree_reached_starts_from_the_one_above():
+    """A source whose first two levels were always accepted in this request is trusted a level deeper (else a tree cut
+    at the unknown depth never learns that a verbatim match holds to its end), one level at a time; what earlier
+    requests learnt at that depth, where they tried it, comes first."""
+    lifetime = SourceRates(prior_weight=2.0, max_depth=8)
+    request = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)
+    for _ in range(10):
+        request.record(1, 0, True)
+        request.record(2, 0, True)
+    assert request.rate(3, 0) == pytest.approx(request.rate(2, 0)) and request.rate(3, 0) > 0.95
+    assert request.rate(4, 0) == pytest.approx(0.5)  # a level at a time: its level above was not tried either
+    assert request.rate(1, 1) == pytest.approx(0.15)  # no sibling of that rank tried anywhere
+    for _ in range(6):
+        lifetime.record(3, 0, False)  # an earlier request's record at depth 3
+    assert request.rate(3, 0) == pytest.approx(lifetime.rate(3, 0)) and request.rate(3, 0) < 0.3
+    fresh = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)  # the next request starts from the record
+    assert fresh.rate(2, 0) == pytest.approx(lifetime.rate(2, 0)) and fresh.rate(3, 0) < 0.3
 
 
 def test_a_request_starts_from_the_sources_record_over_earlier_requests():

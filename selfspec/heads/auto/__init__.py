@@ -3,7 +3,8 @@
 Every step each source that is paying its way proposes its own tree. The trees are merged into one trie over token
 paths (a path two sources propose becomes one path). A node's score estimates its chance of being accepted: for a
 source, the product down the path of that source's acceptance rates per depth and sibling rank, running estimates
-from what the verifier accepted in this request; a node keeps the best score any source gave it. The best n nodes
+from what the verifier accepted in this request (a depth not tried yet starting from the one above: rates.py); a node
+keeps the best score any source gave it. The best n nodes
 (n from the cost curve in use: expected accepted tokens per unit of verification cost) are verified as one tree of
 deterministic candidates, so the verifier's rules keep the output exactly the target's.
 
