@@ -13,6 +13,7 @@ from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import artifacts, create_drafter, register_drafter, unregister_drafter
 from selfspec.heads.auto import MIN_HELDOUT_TAU, SourceRates, merge_trees, select_nodes
+from selfspec.heads.auto.drafter import EXPLORE_AFTER
 from selfspec.heads.auto.rates import RANKS
 from selfspec.heads.paced import Paced, PlainStep
 from selfspec.tree_attention import DraftTree
@@ -104,6 +105,19 @@ def test_a_depth_no_tree_reached_starts_from_the_one_above():
     assert request.rate(3, 0) == pytest.approx(lifetime.rate(3, 0)) and request.rate(3, 0) < 0.3
     fresh = SourceRates(prior_weight=2.0, max_depth=8, prior=lifetime)  # the next request starts from the record
     assert fresh.rate(2, 0) == pytest.approx(lifetime.rate(2, 0)) and fresh.rate(3, 0) < 0.3
+
+
+def test_a_source_left_out_of_the_merged_tree_gets_its_first_node_tried_now_and_then():
+    """A source's estimates learn only from its verified nodes: one whose proposals keep being left out has its
+    first-ranked node added after EXPLORE_AFTER such steps, then after twice as many each time; a node of its own kept
+    on its score starts the wait over. (Without it two lookups alone decoded as `none` after one rejected node.)"""
+    auto = create_drafter("auto:sources=ngram+history", without_eos(make_tiny_target("llama")))
+    trees = {"ngram": tree(7, [[3, 4], [5]]), "history": DraftTree.root_only(7)}
+    _, _, node_paths = merge_trees(7, trees, auto.rates)
+    tried = [step for step in range(1, 40) if auto._explored(trees, node_paths, {()}) == [(3,)]]
+    assert tried == [EXPLORE_AFTER, 3 * EXPLORE_AFTER, 7 * EXPLORE_AFTER]
+    assert auto._explored(trees, node_paths, {(), (3,)}) == []  # kept on its score: the wait starts over
+    assert [auto._explored(trees, node_paths, {()}) for _ in range(EXPLORE_AFTER)][-1] == [(3,)]
 
 
 def test_a_request_starts_from_the_sources_record_over_earlier_requests():

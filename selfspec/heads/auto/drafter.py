@@ -16,6 +16,11 @@ from .merging import merge_trees, own_accepted_path, select_nodes, tree_of
 from .rates import SourceRates
 from .sources import earned_tokens, load_sources, proposers
 
+# A source whose proposals the merged tree keeps leaving out gets its first node verified after this many such steps,
+# the wait doubling after each such try up to EXPLORE_MAX (AutoDrafter._explored).
+EXPLORE_AFTER = 4
+EXPLORE_MAX = 64
+
 
 @dataclass(frozen=True)
 class AutoOptions:
@@ -100,6 +105,8 @@ class AutoDrafter(Drafter):
             for name in self.sources
         }
         self.proposals: dict[str, _Proposal] = {}
+        self.left_out_steps = {name: 0 for name in self.sources}  # steps in a row its proposal was left out
+        self.explore_every = {name: EXPLORE_AFTER for name in self.sources}
 
     def parts(self) -> tuple[Drafter, ...]:
         return tuple(self.sources.values())
@@ -116,11 +123,35 @@ class AutoDrafter(Drafter):
         trees = {name: source.propose(request) for name, source in self.sources.items()}
         paths, scores, node_paths = merge_trees(request.root_token, trees, self.rates)
         kept = [()] + select_nodes(paths, scores, self.cost_curve, self.options.max_nodes)
+        kept += self._explored(trees, node_paths, set(kept))
         index_of = {path: i for i, path in enumerate(kept)}
         for name, tree in trees.items():
             self.proposals[name] = _Proposal(tree, [index_of.get(path, -1) for path in node_paths[name]])
         self.plain_step.proposed()
         return tree_of(request.root_token, kept)
+
+    def _explored(self, trees: dict[str, DraftTree], node_paths: dict[str, list], kept: set) -> list:
+        """The first nodes of sources whose proposals have been left out of the merged tree for their wait (the paths
+        to add to it). A source's estimates are learnt only from its nodes that get verified, so one rejected first node
+        in a cheap-to-verify-nothing moment could keep it out for the rest of the request (two lookups alone then
+        decoded as `none` does); a node of its own kept on its score ends the wait."""
+        added = []
+        for name, tree in trees.items():
+            if tree.size == 1:
+                continue
+            own = node_paths[name]
+            if any(path in kept for path in own[1:]):
+                self.left_out_steps[name], self.explore_every[name] = 0, EXPLORE_AFTER
+                continue
+            self.left_out_steps[name] += 1
+            if self.left_out_steps[name] >= self.explore_every[name]:
+                first = own[tree.children(0)[0]]  # the child of the root it ranks first
+                if first not in kept:
+                    added.append(first)
+                    kept.add(first)
+                self.left_out_steps[name] = 0
+                self.explore_every[name] = min(EXPLORE_MAX, 2 * self.explore_every[name])
+        return added
 
     def observe(self, observation: Observation) -> None:
         """Every source observes the step with its own tree and the part of the accepted path that lay in it (the
