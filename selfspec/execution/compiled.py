@@ -69,7 +69,7 @@ MIN_CACHED = 16  # below this many cached positions the step runs eager (the gra
 PACKAGE_FORMAT = 6  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 FEW_ROWS_ENV = "SELFSPEC_FEW_ROWS"  # fixes the rows up to which steps run in `few` instead of measuring them (tests)
-SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `tree` are timed against each other
+SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `tree` are timed (up to `few`'s last)
 # `few` is taken up to this much slower than `tree`: its rows equal one-token steps' bit for bit, `tree`'s do not
 FEW_PREFERENCE = 1.05
 SPLIT_FILE = "few-rows.json"  # beside the packages: the split measured between them
@@ -187,16 +187,18 @@ class _Step(torch.nn.Module):
         return output.logits, tuple(output.hidden_states)
 
 
+def _zero_stores(config, batch: int, capacity: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One layer's key (or value) storage per layer, as the graphs take it: [batch, kv_heads, capacity, head_dim]."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
+
+
 def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None = None) -> tuple:
     config = model.config
     dtype = next(model.parameters()).dtype
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     batch = 2  # traced with two requests, so that the batch dimension stays dynamic (one request is B = 1)
-    stores = [
-        torch.zeros(batch, kv_heads, 2 * _EXAMPLE_CACHED, head_dim, dtype=store_dtype or dtype)
-        for _ in range(config.num_hidden_layers)
-    ]
+    stores = _zero_stores(config, batch, 2 * _EXAMPLE_CACHED, store_dtype or dtype)
     positions = torch.arange(_EXAMPLE_CACHED, _EXAMPLE_CACHED + rows).view(1, rows).expand(batch, rows)
     return (
         torch.zeros(batch, rows, dtype=torch.long),
@@ -397,9 +399,8 @@ class CompiledStep:
             self.few_rows = int(json.loads(path.read_text())["few_rows"])
             return
         (timings, _), spread, quiet = measure_until_quiet(self.time_graphs, lambda result: result[1])
-        sizes = [n for n in SPLIT_SIZES if n <= GRAPHS["few"][1]]
         few_rows = 0
-        for size, following in zip(sizes, sizes[1:] + [sizes[-1] + 1], strict=True):
+        for size, following in zip(SPLIT_SIZES, SPLIT_SIZES[1:] + (SPLIT_SIZES[-1] + 1,), strict=True):
             few, tree = timings[size]
             if few > tree * FEW_PREFERENCE:
                 break
@@ -415,19 +416,12 @@ class CompiledStep:
         """Time one step of each graph at each of SPLIT_SIZES rows over 512 cached positions, interleaved -> ({rows:
         [few ms, tree ms]}: the medians, and the largest median over fastest round of any timing)."""
         config, cached = self.model.config, 512
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        sizes = [n for n in SPLIT_SIZES if n <= GRAPHS["few"][1]]
-        stores = [
-            [torch.zeros(1, kv_heads, cached + sizes[-1], head_dim, dtype=self.dtype) for _ in range(2)]
-            for _ in range(config.num_hidden_layers)
-        ]
-        keys, values = [store[0] for store in stores], [store[1] for store in stores]
+        keys, values = (_zero_stores(config, 1, cached + SPLIT_SIZES[-1], self.dtype) for _ in range(2))
         generator = torch.Generator().manual_seed(0)
-        samples = {(n, kind): [] for n in sizes for kind in ("few", "tree")}
+        samples = {(n, kind): [] for n in SPLIT_SIZES for kind in ("few", "tree")}
         with torch.inference_mode():
             for round_index in range(repeats + 1):  # round 0 warms up
-                for n in sizes:
+                for n in SPLIT_SIZES:
                     tokens = torch.randint(0, config.vocab_size, (1, n), generator=generator)
                     positions = torch.arange(cached, cached + n).view(1, n)
                     mask = causal_block_mask(cached, n, self.dtype, "cpu").view(1, 1, n, cached + n)
@@ -437,7 +431,7 @@ class CompiledStep:
                         if round_index:
                             samples[(n, kind)].append(time.perf_counter() - began)
         timings = {
-            n: [round(statistics.median(samples[(n, kind)]) * 1e3, 3) for kind in ("few", "tree")] for n in sizes
+            n: [round(statistics.median(samples[(n, kind)]) * 1e3, 3) for kind in ("few", "tree")] for n in SPLIT_SIZES
         }
         spread = max(statistics.median(values) / min(values) for values in samples.values())
         return timings, spread
