@@ -144,7 +144,11 @@ def _generate(
         path = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
-        prefill = chunk_forward(forward, cache, input_ids[:, :-1], drafter.hidden_layers) if committed[1:] else None
+        prefill = (
+            chunk_forward(forward, cache, input_ids[:, :-1], drafter.hidden_layers, last_only=True)
+            if committed[1:]
+            else None
+        )
         drafter.reset()
         drafter.observe(Observation(tuple(committed), prefill.hidden if prefill else {}))
         prefill_s = time.perf_counter() - start

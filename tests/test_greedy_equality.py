@@ -93,3 +93,26 @@ def test_single_token_prompt():
     reference = hf_greedy(target, [7], 12, eos=-1)
     tokens, _ = speculative_generate(target, create_drafter("ngram", target), torch.tensor([7]), 12)
     assert list(tokens) == reference
+
+
+@pytest.mark.parametrize("family", CORE_FAMILIES)
+def test_prefill_runs_the_lm_head_over_its_last_position_alone(family):
+    """A prefill reads no logits: the LM head (49,152 rows on SmolLM2) runs over one position, not the prompt's."""
+    from selfspec.batch import BatchEngine, BatchRequest
+
+    target = make_tiny_target(family).with_eos(())
+    rows: list[int] = []
+    head = target.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[-2]))
+    try:
+        speculative_generate(target, create_drafter("none", target), torch.tensor(PROMPT), 3)
+        assert rows == [1, 1, 1, 1], rows  # the prefill, then three one-token steps
+        if target.sliding_window is not None:
+            return  # batched decoding covers full-attention models
+        rows.clear()
+        engine = BatchEngine(target, lambda: create_drafter("none", target), slots=2)
+        engine.submit(BatchRequest(list(PROMPT), 2))
+        engine.run()
+        assert rows == [1, 1, 1], rows
+    finally:
+        handle.remove()

@@ -248,7 +248,7 @@ class BatchEngine:
             prefill.cache = self.target.new_cache()
         hidden_layers = self.drafters[prefill.slot].hidden_layers
         ids = torch.tensor([chunk], device=self.target.device)
-        output = chunk_forward(self.target.forward, prefill.cache, ids, hidden_layers)
+        output = chunk_forward(self.target.forward, prefill.cache, ids, hidden_layers, last_only=True)
         for layer, states in output.hidden.items():
             prefill.parts.setdefault(layer, []).append(states[: len(prefix) - start])  # the real positions
         prefill.done = end

@@ -21,6 +21,8 @@ the background (background.py) and `switch_if_ready()` takes the compiled path o
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 from typing import Iterator
 
@@ -132,9 +134,11 @@ class ExecutionPath:
         """One forward of the target on this path over `input_ids` [batch, n] at `position_ids`, under
         `attention_mask` (None: causal; 4D: additive, over the cached positions and the new ones), appending their
         keys and values to `past_key_values` -> the model's output (logits, hidden states when asked). Other keyword
-        arguments go to the model's forward as they are (`logits_to_keep`; the compiled graphs leave such calls to the
-        twin)."""
+        arguments go to the model's forward as they are (`logits_to_keep`, dropped for a model that does not take it;
+        the compiled graphs leave such calls to the twin)."""
         self.prepare()
+        if "logits_to_keep" in model_kwargs and not takes_logits_to_keep(type(self.model)):
+            model_kwargs.pop("logits_to_keep")  # such a model computes every position's logits
         return self._forward(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -244,3 +248,9 @@ class ExecutionPath:
             return DynamicCache(config=self.model.config)
         self.row_split()  # settles the q4 path's attention, and with it the cache's dtype
         return InPlaceCache(self.model.config, self.kv_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def takes_logits_to_keep(model_class: type) -> bool:
+    """Whether a model class's forward takes transformers' `logits_to_keep` (its causal LMs do)."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
