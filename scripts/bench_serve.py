@@ -33,9 +33,9 @@ SERVE = "import sys; from selfspec.cli import main; sys.exit(main())"
 class ServeProcess:
     """`selfspec serve --port 0 ...` started and waited for: `url` once it says where it listens; `stop()` ends it."""
 
-    def __init__(self, model: str, drafter: str, slots: int, max_tokens: int):
+    def __init__(self, model: str, drafter: str, slots: int, max_tokens: int, path: str = "auto"):
         command = [sys.executable, "-c", SERVE, "serve", "--model", model, "--drafter", drafter, "--port", "0"]
-        command += ["--slots", str(slots), "--max-new-tokens", str(max_tokens)]
+        command += ["--slots", str(slots), "--max-new-tokens", str(max_tokens), "--path", path]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
         for line in self.process.stdout:
             found = re.search(r"(http://[^/\s]+)/v1", line)
@@ -160,6 +160,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--path", default="auto", help="the servers' execution path (serve's --path)")
     parser.add_argument("--drafter", default="auto")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--concurrency", default="1,2,4,8")
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for name, drafter in (("on", args.drafter), ("off", "none")):
-            servers[name] = ServeProcess(args.model, drafter, args.slots, args.max_tokens)
+            servers[name] = ServeProcess(args.model, drafter, args.slots, args.max_tokens, args.path)
             print(servers[name].banner, flush=True)
         paths = {execution_path(server.url) for server in servers.values()}
         for server in servers.values():  # warm-up: the path's first steps, the drafters' first requests

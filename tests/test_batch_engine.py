@@ -76,9 +76,10 @@ def test_greedy_requests_in_a_batch_equal_each_alone(name, path, tmp_path):
     assert engine.cache.rows == 0 and not engine.busy
 
 
+@pytest.mark.parametrize("path", ["stock", "q4"])
 @pytest.mark.parametrize("name", ["none", "ngram"])
-def test_seeded_sampled_requests_in_a_batch_equal_each_alone(name, tmp_path):
-    target = without_eos(make_tiny_target("qwen3"))
+def test_seeded_sampled_requests_in_a_batch_equal_each_alone(name, path, tmp_path):
+    target = without_eos(make_tiny_target("qwen3", path=path))
     make = drafter_factory(name, target, tmp_path)
     engine = BatchEngine(target, make, slots=4)
     settings = [

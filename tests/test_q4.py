@@ -193,7 +193,7 @@ def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q
     assert execution.new_cache().layers[0].store_dtype == (None if native_kernels == "1" else torch.float64)
 
 
-def test_serve_refuses_q4_before_loading_anything():
-    done = run_cli("serve", "--path", "q4", "--port", "0")
+def test_serve_on_q4_refuses_more_slots_than_its_graph_batches_before_loading_anything():
+    done = run_cli("serve", "--path", "q4", "--port", "0", "--slots", "17")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert "not checked yet against `generate --path q4`" in done.stderr
+    assert "--path q4 serves up to 16 requests at once" in done.stderr

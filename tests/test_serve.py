@@ -431,3 +431,39 @@ def test_the_default_model_with_auto_answers_as_plain_decoding(capsys):
         assert stats["accepted_by_source"] and sum(stats["accepted_by_source"].values()) > 0
     finally:
         stop_cli_server(process)
+
+
+@pytest.mark.real_model
+def test_the_four_bit_path_serves_each_request_as_generate_gives_it(capsys):
+    """`selfspec serve --path q4` (the default GGUF's own 4-bit weights) with `auto`: three requests sent together,
+    greedy and seeded sampling; each reply is `selfspec generate --path q4 --drafter none`'s text exactly, sampled
+    ones included: on this path a batched step computes each request's rows as its own steps alone do, bit for bit
+    (the int4 and row-attention kernels' rows do not depend on the call's other rows)."""
+    prompts = [
+        "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+        "Name three colours and one fruit of each colour.",
+        "Write a haiku about caches.",
+    ]
+    settings = [{}, {"temperature": 0.8, "seed": 7}, {"temperature": 0.9, "top_p": 0.9, "seed": 3}]
+    expected = []
+    for prompt, setting in zip(prompts, settings, strict=True):
+        flags = ["--path", "q4", "--drafter", "none", "--prompt", prompt, "--max-new-tokens", "32"]
+        flags += [part for key, value in setting.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+        expected.append(generate_cli(flags, capsys))
+    process, url = start_cli_server(["--path", "q4", "--drafter", "auto", "--slots", "3"], timeout=600)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+
+        def ask(index: int):
+            messages = [{"role": "user", "content": prompts[index]}]
+            return client.chat.completions.create(model=model, messages=messages, max_tokens=32, **settings[index])
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(ask, range(len(prompts))))
+        assert [reply.choices[0].message.content for reply in replies] == expected
+        assert all(reply.model_extra["selfspec"]["execution_path"].startswith("q4") for reply in replies)
+        assert len(set(expected)) == len(expected) and all(expected)
+    finally:
+        stop_cli_server(process)
+    assert "Traceback" not in process.stderr.read()
