@@ -15,7 +15,8 @@ flight, which a sampler thread records as each round's peak. A prompt that comes
 settings, so its reply must be the same text: greedy ones token for token (the run fails if one differs); seeded ones up
 to the rounding of a batched step (counted, docs/serve.md). A reply must be whole: a finish reason of `stop`, or
 `length` at its max_tokens (the run fails on one that is not: a truncated reply). After the soak, the first replies of
---check greedy prompts are compared with `selfspec generate --drafter none` alone (the same model in this process).
+--check greedy prompts and --check seeded ones are compared with `selfspec generate --drafter none` alone (the same
+model in this process, the same settings and seed; a seeded one that differs is counted, not a failure).
 Writes results.json and results.md to --out; the growth between request --from (default 200) and the last is the figure
 the bar is set on.
 """
@@ -200,18 +201,13 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
     finally:
         sampler.stopped.set()
         server.stop()
-    alone = SelfSpec(spec.target, drafter="none")
-    greedy = [p for p in first_reply if p % 2 == 0][: args.check]
-    unlike_alone = [
-        p
-        for p in greedy
-        if alone.generate(texts[p], max_new_tokens=token_limit(p, args.max_tokens)).text != first_reply[p]
-    ]
-    counts["checked_alone"] = len(greedy)
+    unlike_alone, sampled_unlike_alone = check_alone(SelfSpec(spec.target, drafter="none"), texts, first_reply, args)
+    counts["checked_alone"] = min(args.check, len([p for p in first_reply if p % 2 == 0]))
+    counts["sampled_checked_alone"] = min(args.check, len([p for p in first_reply if p % 2]))
     return {
         "samples": samples,
         "counts": counts,
-        "differing": {**differing, "greedy_vs_alone": unlike_alone},
+        "differing": {**differing, "greedy_vs_alone": unlike_alone, "sampled_vs_alone": sampled_unlike_alone},
         "health": health,
         "drafter": drafter,
         "path": spec.target.execution.name,
@@ -219,6 +215,20 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
         "prompts": len(texts),
         "wall_s": round(time.perf_counter() - began, 1),
     }
+
+
+def check_alone(alone, texts: list[str], first_reply: dict[int, str], args) -> tuple[list[int], list[int]]:
+    """The first replies of --check greedy and --check seeded prompts against `alone` (a SelfSpec with `none`) given
+    the same settings and seed -> the prompts whose replies differ, greedy and seeded."""
+
+    def differs(p: int) -> bool:
+        sampling = {} if p % 2 == 0 else {**SAMPLED, "seed": p}
+        reply = alone.generate(texts[p], max_new_tokens=token_limit(p, args.max_tokens), **sampling)
+        return reply.text != first_reply[p]
+
+    greedy = [p for p in first_reply if p % 2 == 0][: args.check]
+    sampled = [p for p in first_reply if p % 2][: args.check]
+    return [p for p in greedy if differs(p)], [p for p in sampled if differs(p)]
 
 
 def summarize(result: dict, frm: int) -> dict:
@@ -243,6 +253,7 @@ def write_outputs(out: Path, meta: dict, result: dict, summary: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps({"meta": meta, "summary": summary, **result}, indent=1) + "\n")
     counts, differing = result["counts"], result["differing"]
+    sampled_equal = counts["sampled_checked_alone"] - len(differing["sampled_vs_alone"])
     lines = [
         f"# selfspec serve soak: {meta['requests']} requests, {result['model']}, drafter {result['drafter']}",
         "",
@@ -262,7 +273,9 @@ def write_outputs(out: Path, meta: dict, result: dict, summary: dict) -> None:
         f"{counts['repeats']['greedy']} the same text, seeded sampling "
         f"{counts['repeats']['sampled'] - len(differing['sampled'])}/{counts['repeats']['sampled']}. "
         f"Greedy replies equal to `selfspec generate --drafter none` alone: "
-        f"{counts['checked_alone'] - len(differing['greedy_vs_alone'])}/{counts['checked_alone']}. "
+        f"{counts['checked_alone'] - len(differing['greedy_vs_alone'])}/{counts['checked_alone']}, seeded ones to "
+        f"`generate --drafter none` with the same settings and seed: {sampled_equal}/"
+        f"{counts['sampled_checked_alone']}. "
         f"Server health at the end: {json.dumps(result['health'])}.",
         "",
         "| requests | RSS MB (idle) | peak MB (in flight) | wall s |",
@@ -286,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=50, help="requests a round; memory is read after each")
     parser.add_argument("--from", dest="frm", type=int, default=200, help="the request growth is measured from")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--check", type=int, default=50, help="greedy replies compared with `none` alone at the end")
+    parser.add_argument(
+        "--check", type=int, default=50, help="greedy and seeded replies (each) compared with `none` alone at the end"
+    )
     parser.add_argument("--out", default="runs/serve-soak")
     args = parser.parse_args(argv)
     os.environ.setdefault("SELFSPEC_COMPILE", "0")
