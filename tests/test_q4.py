@@ -53,6 +53,23 @@ def test_rows_do_not_depend_on_the_rows_in_the_call(make):
             assert torch.equal(alone, together), f"{rows} rows a call gave other bits than {ROWS} at once"
 
 
+def test_the_bfloat16_head_lays_a_sliced_input_out_afresh(monkeypatch):
+    """A prefill's last position (transformers' `logits_to_keep`) reaches the head as a [1, 1, H] view with the
+    prompt's batch stride, on which oneDNN's bfloat16 product ran 26x slower: the head multiplies plain strides, and
+    gives the view the logits the same values laid out afresh get."""
+    from selfspec.execution import q4
+
+    head = BFloat16Head(torch.nn.Linear(64, 96, bias=False))
+    hidden = torch.randn(1, 10, 64)
+    strides = []
+    linear = q4.F.linear
+    monkeypatch.setattr(q4.F, "linear", lambda x, *rest: strides.append(x.stride()) or linear(x, *rest))
+    last = hidden[:, -1:, :]
+    assert last.stride() == (640, 64, 1)
+    assert torch.equal(head(last), head(last.clone(memory_format=torch.contiguous_format)))
+    assert strides == [(64, 64, 1), (64, 64, 1)]
+
+
 def test_the_default_gguf_blocks_are_the_float32_checkpoints_weights():
     """Unpacked, re-ordered as transformers de-quantises a llama GGUF, the codes give the converted checkpoint's
     float32 weights exactly: the q4 path reads the same weights, not a re-quantisation."""
