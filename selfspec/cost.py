@@ -6,6 +6,7 @@ one. `selfspec profile` measures and stores a curve per device; until then a bui
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ _BUILTIN = {
     "cuda": {1: 1.0, 8: 1.0, 16: 1.02, 32: 1.05, 64: 1.1},
 }
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_TABLE_SIZE = 256  # tree sizes (and batch rows) whose cost a curve keeps worked out (CostCurve.cost)
 # Raised when an execution path's step costs change shape, so that curves measured before are measured again (a path
 # not named here is at 1). compiled 2: steps of 1-3 tokens go to the graph the row split favours (compiled.py);
 # 3: `tree` takes them unpadded; 4 (and fast 2): steps below the row split on selfspec's small-row kernel; q4 2:
@@ -52,6 +54,17 @@ class CostCurve:
 
     def cost(self, n: int) -> float:
         """Relative cost of verifying n nodes, linearly interpolated (extrapolated past the last size)."""
+        if type(n) is int and 0 <= n <= _TABLE_SIZE:
+            return self._table[n]
+        return self._interpolated(n)
+
+    @functools.cached_property
+    def _table(self) -> tuple[float, ...]:
+        """cost(n) for n = 0 .. _TABLE_SIZE, worked out once: drafters read the curve many times a step (ngram's
+        `largest_size_within` alone walked the curve 64 times, ~0.1 ms a step), and lookups give the same floats."""
+        return tuple(self._interpolated(n) for n in range(_TABLE_SIZE + 1))
+
+    def _interpolated(self, n: float) -> float:
         sizes, costs = self.sizes, self.relative_cost
         if n <= sizes[0]:
             return costs[0]

@@ -51,6 +51,10 @@ def test_ngram_respects_max_depth():
 def test_cost_curve_interpolates_and_extrapolates():
     curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.8, 2.0), source="test")
     assert curve.cost(1) == 1.0 and curve.cost(3) == pytest.approx(1.45) and curve.cost(16) == pytest.approx(2.4)
+    # the worked-out table (sizes up to 256) and the interpolation past it are one function
+    assert curve.cost(256) == pytest.approx(2.0 + 0.05 * 248) and curve.cost(300) == pytest.approx(2.0 + 0.05 * 292)
+    assert curve.cost(5.5) == pytest.approx(1.875) and curve.cost(0) == 1.0
+    assert curve.largest_size_within(1.8) == 4 and curve.largest_size_within(0.5) == 1
 
 
 def test_monotone_fit_removes_timing_noise():
