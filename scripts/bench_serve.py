@@ -1,6 +1,7 @@
 """Load benchmark of `selfspec serve`: throughput, time to first token and inter-token latency at several concurrency
-levels, with speculation on (a drafter) and off (`none`), the two servers taking turns at each level so that drifts
-of the machine hit both.
+levels, with speculation on (a drafter) and off (`none`), the two servers taking turns within each level (its
+prompts in parts of max(concurrency, 4), each part sent to both, the order alternating) so that drifts of the machine
+hit both.
 
     python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 8 --max-tokens 128
 
@@ -91,14 +92,33 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft_s": ttft, "itl_s": itl, "tokens": tokens, "wall_s": ended, "error": error}
 
 
-def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+def run_requests(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+    """`prompts` sent `concurrency` at a time -> each request's result and the wall time of them all."""
     # Clients in processes of their own: threads of this one would hold the interpreter lock the server's decoding
-    # thread needs (one started per level, before the clock).
+    # thread needs (one started per batch of requests, before the clock).
     with ProcessPoolExecutor(max_workers=concurrency) as pool:
         list(pool.map(time.sleep, [0.0] * concurrency))
         began = time.perf_counter()
         results = list(pool.map(one_request, [url] * len(prompts), prompts, [max_tokens] * len(prompts)))
-        wall = time.perf_counter() - began
+        return results, time.perf_counter() - began
+
+
+def run_level(urls: dict[str, str], prompts: list[str], concurrency: int, max_tokens: int, flip: bool) -> list[dict]:
+    """One concurrency level on every server (name -> url): the prompts in parts of max(concurrency, 4), each part
+    sent to the servers in turn, the order alternating part by part (`flip`: the other server first), so that the
+    machine's drifts over the level (its memory speed moves by the hour here) fall on both -> a row per server."""
+    part_size = max(concurrency, 4)
+    parts = [prompts[start : start + part_size] for start in range(0, len(prompts), part_size)]
+    collected = {name: ([], 0.0) for name in urls}
+    for index, part in enumerate(parts):
+        names = list(urls) if (index % 2 == 0) != flip else list(urls)[::-1]
+        for name in names:
+            results, wall = run_requests(urls[name], part, concurrency, max_tokens)
+            collected[name] = (collected[name][0] + results, collected[name][1] + wall)
+    return [{"server": name, **summarize(results, wall, concurrency)} for name, (results, wall) in collected.items()]
+
+
+def summarize(results: list[dict], wall: float, concurrency: int) -> dict:
     ttft = sorted(result["ttft_s"] for result in results)
     itl = sorted(result["itl_s"] for result in results)
     return {
@@ -178,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             print(servers[name].banner, flush=True)
         paths = {execution_path(server.url) for server in servers.values()}
         for server in servers.values():  # warm-up: the path's first steps, the drafters' first requests
-            run_level(server.url, prompts[:2], 2, 16)
+            run_requests(server.url, prompts[:2], 2, 16)
+        urls = {name: server.url for name, server in servers.items()}
         for index, level in enumerate(levels):
             sample = [prompts[(index * args.requests + k) % len(prompts)] for k in range(args.requests)]
-            for name in ("on", "off") if index % 2 == 0 else ("off", "on"):
-                row = {"server": name, **run_level(servers[name].url, sample, level, args.max_tokens)}
+            for row in run_level(urls, sample, level, args.max_tokens, flip=index % 2 == 1):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
