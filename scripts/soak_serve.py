@@ -201,9 +201,8 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
     finally:
         sampler.stopped.set()
         server.stop()
-    unlike_alone, sampled_unlike_alone = check_alone(SelfSpec(spec.target, drafter="none"), texts, first_reply, args)
-    counts["checked_alone"] = min(args.check, len([p for p in first_reply if p % 2 == 0]))
-    counts["sampled_checked_alone"] = min(args.check, len([p for p in first_reply if p % 2]))
+    checked = check_alone(SelfSpec(spec.target, drafter="none"), texts, first_reply, args)
+    (counts["checked_alone"], unlike_alone), (counts["sampled_checked_alone"], sampled_unlike_alone) = checked
     return {
         "samples": samples,
         "counts": counts,
@@ -217,18 +216,17 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
     }
 
 
-def check_alone(alone, texts: list[str], first_reply: dict[int, str], args) -> tuple[list[int], list[int]]:
+def check_alone(alone, texts: list[str], first_reply: dict[int, str], args) -> list[tuple[int, list[int]]]:
     """The first replies of --check greedy and --check seeded prompts against `alone` (a SelfSpec with `none`) given
-    the same settings and seed -> the prompts whose replies differ, greedy and seeded."""
+    the same settings and seed -> for greedy, then seeded: (the prompts checked, those whose replies differ)."""
 
     def differs(p: int) -> bool:
         sampling = {} if p % 2 == 0 else {**SAMPLED, "seed": p}
         reply = alone.generate(texts[p], max_new_tokens=token_limit(p, args.max_tokens), **sampling)
         return reply.text != first_reply[p]
 
-    greedy = [p for p in first_reply if p % 2 == 0][: args.check]
-    sampled = [p for p in first_reply if p % 2][: args.check]
-    return [p for p in greedy if differs(p)], [p for p in sampled if differs(p)]
+    kinds = ([p for p in first_reply if p % 2 == 0][: args.check], [p for p in first_reply if p % 2][: args.check])
+    return [(len(prompts), [p for p in prompts if differs(p)]) for prompts in kinds]
 
 
 def summarize(result: dict, frm: int) -> dict:

@@ -89,11 +89,10 @@ class RaggedLayer(DynamicLayer, WrittenInPlace):
     head_dim]. `keys`/`values` (what attention reads after a step's write) span the longest row plus the step's new
     positions; a row's positions past its own length, up to the step's, are stale and must be hidden by the mask."""
 
-    def __init__(self, lengths: list[int], shared: RaggedStorage | None = None, index: int = 0):
+    def __init__(self, lengths: list[int], shared: RaggedStorage, index: int):
         super().__init__()
         self.lengths = lengths  # shared by every layer of the cache: the committed positions of each row
-        self.shared = RaggedStorage(1) if shared is None else shared
-        self.index = index  # this layer's place in the shared storage
+        self.shared, self.index = shared, index  # the cache's storage, and this layer's place in it
 
     @property
     def store(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -104,7 +103,8 @@ class RaggedLayer(DynamicLayer, WrittenInPlace):
 
     def _reserve(self, rows: int, needed: int, like: torch.Tensor) -> None:
         self.shared.reserve(rows, needed, like.shape[1], like.shape[3], like)
-        self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
+        if not self.is_initialized:
+            self.is_initialized, self.dtype, self.device = True, like.dtype, like.device
 
     @property
     def length(self) -> int:
