@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = load_recipe(args.config)
     full_steps = args.full_steps or config.train.max_steps
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     layers = resolve_feature_layers(config.dflash, target.config.num_hidden_layers)
     timings: dict = {}
     data = recipe_data(target, config, layers, timings).train

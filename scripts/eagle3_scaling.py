@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     except SelfspecError as error:
         print(f"eagle3_scaling: error: {error}", file=sys.stderr)
         return 2
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     rows = scaling_points(target, config, args.decay, args.eval_prompts, args.eval_tokens)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = (

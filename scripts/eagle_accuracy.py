@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(args.model)
+    target = load_target(args.model, four_bit=False)
     evaluation = greedy_continuations(target, out, args.eval_prompts, args.max_new_tokens)
     rows = []
     for directory in args.heads:

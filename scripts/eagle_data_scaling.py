@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             "data.max_length": args.max_length,
         },
     )
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     timings: dict = {}
     data = recipe_data(target, config, (-1,), timings).train
     evaluation = greedy_continuations(target, out, args.eval_prompts, config.eval.max_new_tokens)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         _refuse(f"--batch-sizes takes whole numbers separated by commas (e.g. 48,128), got '{args.batch_sizes}'")
     if min(batch_sizes) < 1 or args.prompts < 1 or args.max_new_tokens < 1:
         _refuse("--batch-sizes, --prompts and --max-new-tokens must be at least 1")
-    target = load_target(args.model)
+    target = load_target(args.model, four_bit=False)
     eos = set(target.eos_token_ids)
     conversations = load_conversations("sharegpt", seed=0)
     rows = []

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kind = check_request(args)
         source, destination = Path(args.heads), Path(args.into) / args.name
-        target = load_target(args.model)
+        target = load_target(args.model, four_bit=False)
         create_drafter(kind, target, source)  # the fingerprint and the weights match the model
         shipped = {"from": str(source.resolve()), "stored_dtype": args.dtype}
         if args.dtype == "bfloat16":

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_sweep: error: {error}", file=sys.stderr)
         return 2
     began = time.time()
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     result = sweep(target, config, arms, args.steps, args.calibration)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result.update(

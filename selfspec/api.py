@@ -93,8 +93,8 @@ class SelfSpec:
         path: str = "auto",
         **drafter_options,
     ):
-        """path: the target's execution path when it is loaded here (auto, stock, fast or compiled: see
-        selfspec.execution).
+        """path: the target's execution path when it is loaded here (auto, stock, fast, compiled or q4: see
+        selfspec.execution; `auto` takes q4 for a GGUF with 4-bit linears on a CPU, the default model included).
 
         The drafter's name and options are checked here, before the model loads; the drafter itself is built on first
         use (`drafter`, or the first `generate` once its request has been checked): building it can measure this

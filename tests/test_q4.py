@@ -10,7 +10,7 @@ from safetensors import safe_open
 from selfspec.errors import SelfspecError
 from selfspec.execution import COMPILE_ENV, ExecutionPath, compile_support, detect_capabilities, native
 from selfspec.execution.attention import FLOAT64_SDPA, ROW_ATTENTION, float64_sdpa_attention, row_attention
-from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, read_gguf, unpack_blocks
+from selfspec.execution.q4 import BFloat16Head, Q4Linear, _reverse_permute, is_four_bit, read_gguf, unpack_blocks
 from selfspec.models import default_checkpoint_dir, default_gguf_file, load_target
 
 from .helpers import PROMPT, make_tiny_target, plain_greedy, run_cli, without_eos
@@ -213,4 +213,38 @@ def test_a_chain_at_once_equals_it_token_by_token_on_the_default_model(default_q
 def test_serve_on_q4_refuses_more_slots_than_its_graph_batches_before_loading_anything():
     done = run_cli("serve", "--path", "q4", "--port", "0", "--slots", "17")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert "--path q4 serves up to 16 requests at once" in done.stderr
+    assert "the q4 path serves up to 16 requests at once" in done.stderr
+    done = run_cli("serve", "--port", "0", "--slots", "17")  # `auto` takes q4 for the default GGUF: the same limit
+    assert done.returncode == 2 and "--path compiled serves more" in done.stderr.strip()
+
+
+def test_auto_takes_the_four_bit_path_for_a_four_bit_gguf(tmp_path):
+    """`auto` loads a GGUF whose decoder linears are 4-bit blocks for q4 (from its header, before any loading), on
+    a CPU in float32; `four_bit=False`, another dtype, or a GGUF with float linears keep the float32 weights."""
+    from selfspec.models import loads_four_bit
+
+    assert loads_four_bit("default") and loads_four_bit(default_gguf_file(), "auto", "cpu", torch.float32)
+    assert not loads_four_bit("default", "auto", "cpu", torch.bfloat16)
+    assert not loads_four_bit("default", "fast") and loads_four_bit("default", "q4")
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 8)  # a header cut short: not one q4 runs
+    assert not loads_four_bit(not_gguf)
+    float_gguf = _float_linears_gguf(tmp_path / "float.gguf")
+    assert read_gguf(float_gguf)[1]["blk.0.attn_q"].type_name == "F32" and not loads_four_bit(float_gguf)
+    target = load_target("default")
+    assert target.execution.name.startswith("q4") and is_four_bit(target.model)
+    assert not is_four_bit(load_target("default", four_bit=False).model)
+
+
+def _float_linears_gguf(file):
+    """A llama GGUF header whose decoder linear is F32 (gguf's own writer; its data one row of zeros)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(file), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return file

@@ -413,11 +413,12 @@ def test_the_serve_command_answers_as_generate_prints(tiny_checkpoint, capsys):
 
 @pytest.mark.real_model
 def test_the_default_model_with_auto_answers_as_plain_decoding(capsys):
-    """`selfspec serve` (the default model, --drafter auto) through the openai client, streamed and not, equals
-    `selfspec generate --drafter none` greedy; `auto` reports its sources' accepted tokens."""
+    """`selfspec serve` (the default model's float32 weights, --drafter auto) through the openai client, streamed and
+    not, equals `selfspec generate --drafter none` greedy; `auto` reports its sources' accepted tokens."""
     prompt = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
-    plain = generate_cli(["--drafter", "none", "--prompt", prompt, "--max-new-tokens", "32"], capsys)
-    process, url = start_cli_server(["--drafter", "auto"], timeout=600)
+    path = ["--path", "fast"]  # the path `auto` took before it took q4 for a 4-bit GGUF (the test below)
+    plain = generate_cli([*path, "--drafter", "none", "--prompt", prompt, "--max-new-tokens", "32"], capsys)
+    process, url = start_cli_server([*path, "--drafter", "auto"], timeout=600)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         messages = [{"role": "user", "content": prompt}]
@@ -435,7 +436,7 @@ def test_the_default_model_with_auto_answers_as_plain_decoding(capsys):
 
 @pytest.mark.real_model
 def test_the_four_bit_path_serves_each_request_as_generate_gives_it(capsys):
-    """`selfspec serve --path q4` (the default GGUF's own 4-bit weights) with `auto`: three requests sent together,
+    """`selfspec serve` (`--path auto`: the default GGUF's own 4-bit weights) with `auto`: three requests sent together,
     greedy and seeded sampling; each reply is `selfspec generate --path q4 --drafter none`'s text exactly, sampled
     ones included: on this path a batched step computes each request's rows as its own steps alone do, bit for bit
     (the int4 and row-attention kernels' rows do not depend on the call's other rows)."""
@@ -450,7 +451,7 @@ def test_the_four_bit_path_serves_each_request_as_generate_gives_it(capsys):
         flags = ["--path", "q4", "--drafter", "none", "--prompt", prompt, "--max-new-tokens", "32"]
         flags += [part for key, value in setting.items() for part in (f"--{key.replace('_', '-')}", str(value))]
         expected.append(generate_cli(flags, capsys))
-    process, url = start_cli_server(["--path", "q4", "--drafter", "auto", "--slots", "3"], timeout=600)
+    process, url = start_cli_server(["--drafter", "auto", "--slots", "3"], timeout=600)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id

@@ -99,6 +99,7 @@ def _serve(args) -> None:
     from ..api import check_request
     from ..errors import SelfspecError
     from ..execution.compiled import MAX_BATCH
+    from ..models import loads_four_bit
     from ..serve import Scheduler, ServedModel, listen, run
 
     check_request(args.drafter, args.max_new_tokens)  # cheap checks first, then the port, then the model
@@ -106,9 +107,11 @@ def _serve(args) -> None:
         raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")
     if not 1 <= args.slots <= 64:
         raise SelfspecError(f"--slots must be between 1 and 64, got {args.slots}")
-    if args.path == "q4" and args.slots > MAX_BATCH:  # a fuller step would run eager, whose roundings differ
+    four_bit = loads_four_bit(args.model, args.path, args.device, _dtype(args.dtype))
+    if four_bit and args.slots > MAX_BATCH:  # a fuller step would run eager, whose roundings differ
         raise SelfspecError(
-            f"--path q4 serves up to {MAX_BATCH} requests at once (its compiled step's batch), got --slots {args.slots}"
+            f"the q4 path serves up to {MAX_BATCH} requests at once (its compiled step's batch), got --slots "
+            f"{args.slots}" + ("" if args.path == "q4" else "; --path compiled serves more (the float32 weights)")
         )
     sock = listen(args.host, args.port)
     try:
@@ -385,7 +388,8 @@ def _medusa_tree(args) -> None:
     from ..models import load_target
     from ..training.recipes.medusa import rebuild_tree
 
-    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path)
+    # the shipped trees are the float32 weights' (as the heads' training data): `auto` keeps them on a 4-bit GGUF
+    target = load_target(args.model, device=args.device, dtype=_dtype(args.dtype), path=args.path, four_bit=False)
     result = rebuild_tree(target, Path(args.heads), args.data, args.conversations, args.max_nodes)
     print(f"tree of up to {result['nodes']} nodes from {result['sequences']} sequences written to {args.heads}")
 

@@ -100,7 +100,7 @@ def real_model_checks(args) -> dict:
     prompts, new_tokens = (1, 8) if args.tiny else (2, 64)
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
-        target = load_target("default", device=device(), dtype=dtype)
+        target = load_target("default", device=device(), dtype=dtype, four_bit=False)
         rows = {}
         for item in load_prompt_set("mtbench", prompts):
             ids = target.encode_prompt(item.text)
@@ -150,7 +150,7 @@ def regenerate(args) -> dict:
 
     config = recipe(args)
     data = config.data
-    target = load_target(config.model, device=device())
+    target = load_target(config.model, device=device(), four_bit=False)
     conversations = load_conversations(data.source, seed=data.seed)[: data.conversations or None]
     chunk, done, began = data.regenerate_batch_size * 2, 0, time.monotonic()
     margin = 30 if not args.tiny else 5
@@ -200,7 +200,7 @@ def evaluate(args) -> dict:
     from selfspec.device.program import bfloat16_copy
     from selfspec.training.studies import draft_accuracy
 
-    target = load_target("default", device=device())
+    target = load_target("default", device=device(), four_bit=False)
     per_set, new_tokens = (1, 12) if args.tiny else (8, 96)
     rows = draft_accuracy.greedy_continuations(target, args.stash, per_set, new_tokens)
     measure = {
@@ -239,7 +239,7 @@ def table(args) -> dict:
     report = {"heads": installed}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")
-        target = load_target("default", device=device(), dtype=dtype)
+        target = load_target("default", device=device(), dtype=dtype, four_bit=False)
         for prompt_set in SETS if dtype == torch.float32 or not args.tiny else SETS[:1]:  # the rehearsal: one set
             request = BenchRequest(
                 drafters=tuple(d for d in TABLE_DRAFTERS if d != "eagle3" or "eagle3" in installed),

@@ -132,20 +132,22 @@ class BackgroundBuild:
         if self.asked:
             return ""
         self.asked = True
+        eager = "the q4 path (eager)" if path == "q4" else "the fast path"  # what runs until the graphs are stored
         reason = recorded_failure(self.directory)
         if reason is not None:
-            return f"selfspec: the fast path runs (compiling failed before: {reason}; `selfspec compile` tries again)"
+            return f"selfspec: {eager} runs (compiling failed before: {reason}; `selfspec compile` tries again)"
         if compiling_elsewhere(self.directory):
             return (
-                "selfspec: the fast path runs; another process is compiling this machine's graphs "
+                f"selfspec: {eager} runs; another process is compiling this machine's graphs "
                 f"(log: {self.directory / LOG_FILE})"
             )
         if source is None:
-            return "selfspec: the fast path runs (graphs not compiled yet: `selfspec compile --model ...` builds them)"
+            build = "selfspec compile --model ..." + (" --path q4" if path == "q4" else "")
+            return f"selfspec: {eager} runs (graphs not compiled yet: `{build}` builds them)"
         self.process = spawn_compile(source, threads, self.directory, path)
         atomic_write_text(self.directory / PID_FILE, f"{self.process.pid}\n")
         return (
-            "selfspec: the fast path runs now; this machine's compiled graphs are being built in the background "
+            f"selfspec: {eager} runs now; this machine's compiled graphs are being built in the background "
             f"(pid {self.process.pid}, log: {self.directory / LOG_FILE}); later requests and runs use them"
         )
 

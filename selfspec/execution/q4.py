@@ -175,6 +175,25 @@ def read_gguf(file: Path) -> tuple[dict[str, object], dict[str, GgufTensor]]:
     return metadata, tensors
 
 
+def runs_four_bit(file: Path) -> bool:
+    """Whether `file` is a GGUF the q4 path runs: llama architecture, every decoder linear in Q4_0 or Q4_1 blocks
+    (read from its header alone, in milliseconds; a file that is not a readable GGUF is False)."""
+    try:
+        metadata, tensors = read_gguf(file)
+    except (OSError, ValueError, KeyError, struct.error, SelfspecError):
+        return False
+    linears = [t for t in tensors.values() if t.name.startswith("blk.") and t.name.split(".")[-2] in _LINEAR_NAMES]
+    return (
+        metadata.get("general.architecture") == "llama"
+        and bool(linears)
+        and all(t.type_name in _BLOCK_BYTES for t in linears)
+    )
+
+
+# the GGUF names of a llama decoder layer's linears (attention q, k, v, output; the MLP's gate, up, down)
+_LINEAR_NAMES = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
 def _reverse_permute(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's converter interleaves the rotary halves of each head's q/k rows; undo it on rows [N, ...] (the
     same reordering transformers applies when it de-quantises a llama GGUF)."""

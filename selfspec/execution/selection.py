@@ -8,7 +8,8 @@ cache layers) and the CPU's capabilities, so every branch can be tested with cap
 - `q4`: a GGUF file's own 4-bit blocks on torch's int4 CPU kernel (q4.py): a model loaded for it
   (`load_target(..., path="q4")`) has no float32 copy of its decoder linears, so it runs on `q4` (or as it is,
   `stock`) alone.
-- `auto`: the best of these that exists here (`q4` for a model loaded 4-bit), except that a tiny model stays on
+- `auto`: the best of these that exists here (`q4` for a model loaded 4-bit, which `load_target` does under `auto`
+  for a GGUF with 4-bit linears on a CPU: models.loads_four_bit), except that a tiny model stays on
   `stock` (its weights sit in cache anyway, and oneDNN's per-call overhead outweighs what packing saves) and
   $SELFSPEC_COMPILE=0 keeps it from compiling (`compile_mode`: whether `auto` waits for a compile or builds it in the
   background). Asking for a path that cannot run here is an error naming the reason.

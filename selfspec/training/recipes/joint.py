@@ -115,7 +115,7 @@ def run_joint(config: JointConfig, resume: bool = False, max_steps: int | None =
     torch.manual_seed(config.train.seed)
     timings: dict[str, float] = {}
     start = running_time()
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     shared = config.shared_recipe()
     layers = joint_layers(config, target.config.num_hidden_layers)
     data = recipe_data(target, shared, layers, timings, label_calibration="medusa" in config.heads)

@@ -37,7 +37,7 @@ def evaluate_heldout(heads_dir: Path, drafter: str, config: RecipeConfig) -> dic
     """Mean accepted length of the trained drafter on held-out ShareGPT prompts, greedy, with the real decoder."""
     if config.eval.heldout_prompts <= 0:
         return {}
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     drafter_instance = create_drafter(drafter, target, heads_dir)
     target = drafter_instance.target  # Medusa-2 heads decode their own adapted copy of the target
     conversations = load_sharegpt("heldout").conversations
@@ -85,7 +85,7 @@ def run_recipe(config: RecipeConfig, resume: bool = False, max_steps: int | None
     torch.manual_seed(config.train.seed)
     timings: dict[str, float] = {}
     start = running_time()
-    target = load_target(config.model)
+    target = load_target(config.model, four_bit=False)
     report = recipe(target, config, resume, max_steps, timings)
     return finish_report(config, report, timings, start)
 
