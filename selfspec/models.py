@@ -370,11 +370,11 @@ def _load_four_bit_target(spec: str, device: str, dtype: torch.dtype, path: str 
     converted = cache_root() / "models" / DEFAULT_MODEL_NAME
     try:
         if spec == DEFAULT_MODEL and _is_complete_checkpoint(converted):  # its tokenizer files load in a second
-            config = AutoConfig.from_pretrained(converted, local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(converted, local_files_only=True)
+            source = converted
         else:
-            config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+            source = _gguf_text_files(file)
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError, RuntimeError, KeyError) as error:
         raise SelfspecError(f"could not load the GGUF file '{file}': {first_line(error)}") from None
     if hasattr(config, "quantization_config"):
@@ -384,6 +384,33 @@ def _load_four_bit_target(spec: str, device: str, dtype: torch.dtype, path: str 
     target = Target(model=model, tokenizer=tokenizer, name=name, path=path, source=spec)
     target.execution  # noqa: B018  (checks the path choice now, before any generation)
     return target
+
+
+def _gguf_text_files(file: Path) -> Path:
+    """A directory of `file`'s config and tokenizer files, written under the cache the first time: transformers
+    builds them from the GGUF's metadata in about 5 s (SmolLM2's 49K-token vocabulary), and from these files in
+    under one. Keyed by the file's path, size and modification time; written whole or not at all."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    directory = cache_root() / "gguf-text" / f"{file.stem}-{key}"
+    if (directory / "config.json").is_file():
+        return directory
+    config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".text-", dir=directory.parent))
+    try:
+        tokenizer.save_pretrained(staging)
+        config.save_pretrained(staging)  # last: its presence marks the directory complete
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, directory)
+        except OSError:
+            if not (directory / "config.json").is_file():  # not just another process finishing first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
 
 
 def _own_memory(model: torch.nn.Module) -> None:

@@ -248,3 +248,24 @@ def _float_linears_gguf(file):
     writer.write_tensors_to_file()
     writer.close()
     return file
+
+
+def test_a_ggufs_config_and_tokenizer_are_read_from_its_metadata_once(tmp_path, monkeypatch):
+    """The q4 path's text files come from the GGUF's metadata the first time (seconds), then from the cache; the
+    cached tokenizer encodes and templates as the GGUF's own."""
+    from transformers import AutoTokenizer
+
+    import selfspec.models as models
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    file = default_gguf_file()
+    directory = models._gguf_text_files(file)
+    assert directory.parent == tmp_path / "gguf-text" and not list(directory.parent.glob(".text-*"))
+    original = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    cached = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    messages = [{"role": "user", "content": "Explain KV caches, then write def f(x):\n    return x ** 2"}]
+    rendered = [t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) for t in (original, cached)]
+    assert rendered[0] == rendered[1] and original(rendered[0]).input_ids == cached(rendered[1]).input_ids
+    assert cached.eos_token_id == original.eos_token_id
+    monkeypatch.setattr(models.AutoConfig, "from_pretrained", None)  # a second call must not parse the GGUF again
+    assert models._gguf_text_files(file) == directory
