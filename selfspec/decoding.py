@@ -140,7 +140,7 @@ def _generate(
     draft_s = verify_s = 0.0
     paused_before = drafter.stats().paused_steps
     start = time.perf_counter()
-    with torch.inference_mode(), target.execution.active():
+    with torch.inference_mode(), target.execution.active(), target.execution.argmax_only(sampling.greedy):
         path = target.execution.name  # it cannot change before the block ends (ExecutionPath.switch_if_ready)
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()

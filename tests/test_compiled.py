@@ -238,6 +238,30 @@ def test_the_batch_engine_verifies_its_requests_in_one_compiled_step(compiled_ta
     assert max(batches) == 3
 
 
+def test_a_greedy_step_in_few_computes_only_the_logits_that_could_be_its_argmax(compiled_target, monkeypatch):
+    """Under `argmax_only` (greedy decoding) the `few` graph's LM head computes exactly the logits that could be each
+    row's maximum and leaves -inf elsewhere (head.py): the same argmax and the same bits where computed, the rest of
+    the step (hidden states, cache) unchanged."""
+    target, _, _ = compiled_target
+    monkeypatch.setattr(target.execution.compiled.dispatch, "stock_rows", 8)
+    chain = DraftTree(tokens=torch.tensor([12, 30, 31]), parents=torch.tensor([-1, 0, 1]))
+    results = {}
+    with torch.inference_mode(), target.execution.active():
+        for argmax_only in (False, True):
+            cache = target.execution.new_cache()
+            chunk_forward(target.forward, cache, torch.tensor([LONG_PROMPT]))
+            with target.execution.argmax_only(argmax_only):
+                inputs = build_tree_inputs(chain, len(LONG_PROMPT), target.dtype, "cpu")
+                results[argmax_only] = tree_forward(target.forward, cache, inputs, (0, 2))
+    assert not target.execution.compiled.argmax_only  # the block ended
+    full, bounded = results[False].logits, results[True].logits
+    kept = torch.isfinite(bounded)
+    assert torch.equal(bounded.argmax(-1), full.argmax(-1)) and torch.equal(bounded[kept], full[kept])
+    assert kept.sum() < kept.numel() // 2  # most of the vocabulary is left out
+    for layer in (0, 2):
+        assert torch.equal(results[True].hidden[layer], results[False].hidden[layer])
+
+
 @pytest.mark.parametrize("stock_rows", [8, 1])  # steps of 1-3 tokens in `few`, or in `tree`
 def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_path, monkeypatch, stock_rows):
     target, _, _ = compiled_target
@@ -292,6 +316,7 @@ def test_packages_are_compiled_once_and_then_loaded(compiled_target):
         wrapper = next(name for name in package.namelist() if name.endswith("wrapper.json"))
         code = package.read(wrapper)
         assert b"small_rows" in code and b"row_attention" in code  # `few` calls selfspec's kernels
+        assert b"bounded_head" in code  # and its own LM head (head.py)
         kernels = [package.read(name) for name in package.namelist() if name.endswith("kernel.cpp")]
         assert kernels and not any(b"#pragma omp" in kernel for kernel in kernels)  # its own loops on one thread
     assert not [path for path in (cache / "compiled").rglob("*") if path.name.startswith(".")]
@@ -419,3 +444,24 @@ def test_the_compile_command_builds_the_graphs_ahead(tiny_checkpoint, tmp_path, 
     assert sorted(path.name for path in directory.glob("*.pt2")) == ["few.pt2", "tree.pt2"]
     assert main(["compile", "--model", str(tiny_checkpoint)]) == 0  # stored: loaded, nothing built
     assert "all stored already" in capsys.readouterr().out
+
+
+def test_a_frozen_graph_of_weights_on_huge_pages_stores_each_weight_once(tmp_path):
+    """A loaded target's weights are views of one huge-page mapping (models._own_memory); AOTInductor sizes a frozen
+    constant by its storage, so `tree` stored the whole mapping once per weight (147 GB asked for SmolLM2: a
+    MemoryError, and no compiled path) until the traced twin took weights of their own."""
+    from selfspec.models import _own_memory
+
+    target = without_eos(make_tiny_target("llama", max_position_embeddings=512))
+    _own_memory(target.model)
+    weights = [*target.model.parameters()]
+    shared = {weight.untyped_storage().data_ptr() for weight in weights}
+    if len(shared) != 1:
+        pytest.skip("no huge-page mapping here (not Linux, or THP off): the weights own their memory already")
+    mapping = weights[0].untyped_storage().nbytes()  # 2 MB or more: one mapping under every weight
+    compiled_module.compile_step(target.model, "tree", tmp_path / "tree.pt2")
+    with zipfile.ZipFile(tmp_path / "tree.pt2") as package:
+        stored = sum(item.file_size for item in package.infolist() if item.filename.endswith(".so"))
+    # the graph's code and its copies of the weights (100 KB), not the mapping again for each of them (15 MB)
+    assert stored < 2 * mapping, f"{stored} bytes stored for weights in a mapping of {mapping} bytes"
+    assert all(weight.untyped_storage().data_ptr() in shared for weight in target.model.parameters())  # model as it was

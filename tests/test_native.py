@@ -123,3 +123,42 @@ def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(k
             query[:, :, row : row + 1], keys[:, :, seen], values[:, :, seen], torch.zeros(1, 1, 1, len(seen)), scale
         )
         assert torch.equal(alone, output[:, :, row : row + 1]), row
+
+
+def _near_ties(rows: int = 4000, features: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head whose rows are one row plus noise far below bfloat16's precision, and inputs: bfloat16 rounding
+    reorders such rows, so their proxy's argmax is often not the exact one. Two rows are equal (a tie)."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(features, generator=generator)
+    weight = base + 1e-4 * torch.randn(rows, features, generator=generator)
+    weight[rows // 2] = weight[rows // 3]
+    return weight.contiguous(), torch.randn(16, features, generator=generator)
+
+
+def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel):
+    """Greedy steps' LM head (head.py): with argmax_only every row's argmax is the full float32 product's (ties to
+    the lower index), the elements it computes are that product's bits and the rest -inf; without it, the product
+    itself. The inputs are built so that a bfloat16 proxy alone picks another row, and so that bounds of zero (the
+    proxy trusted as it is) pick a wrong one: the bound is what makes it exact."""
+    from selfspec.execution.head import HeadProxy, head_proxy
+
+    weight, inputs = _near_ties()
+    head = head_proxy(weight)
+    full = kernel(inputs, weight)
+    yes, no = torch.tensor(True), torch.tensor(False)
+    assert torch.equal(native_module.bounded_head(inputs, weight, head.proxy, head.bound, no), full)
+    for rows in (1, 2, 5, 16):
+        bounded = native_module.bounded_head(inputs[:rows], weight, head.proxy, head.bound, yes)
+        assert torch.equal(bounded.argmax(-1), full[:rows].argmax(-1))
+        kept = torch.isfinite(bounded)
+        assert torch.equal(bounded[kept], full[:rows][kept]) and bool((bounded[~kept] == float("-inf")).all())
+    proxy_argmax = F.linear(inputs, head.proxy.float()).argmax(-1)
+    assert (proxy_argmax != full.argmax(-1)).any(), "the inputs do not tell the proxy from the exact product"
+    unbounded = native_module.bounded_head(inputs, weight, head.proxy, torch.zeros_like(head.bound), yes)
+    assert not torch.equal(unbounded.argmax(-1), full.argmax(-1)), "bounds of zero were not caught"
+    tie = torch.zeros(1, weight.shape[1])  # every logit 0: the first row wins, as in the full product
+    assert native_module.bounded_head(tie, weight, head.proxy, head.bound, yes).argmax().item() == 0
+    # the bound holds with room: the proxy's value lies within bound * |x| of the exact one
+    gap = (F.linear(inputs, head.proxy.float()) - full).abs()
+    assert bool((gap <= head.bound * inputs.norm(dim=-1, keepdim=True)).all())
+    assert isinstance(head, HeadProxy) and head.proxy.dtype == torch.bfloat16 and head.bound.dtype == torch.float32

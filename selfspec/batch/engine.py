@@ -166,7 +166,9 @@ class BatchEngine:
             trees = [self._propose(running) for running in self.running]
         else:  # drafting does not pay for this many requests now: plain steps
             trees = [DraftTree.root_only(running.committed[-1]) for running in self.running]
-        logits, hidden = self._forward(trees)
+        greedy = all(running.request.sampling.greedy for running in self.running)
+        with self.target.execution.argmax_only(greedy):  # a greedy row reads its argmax alone
+            logits, hidden = self._forward(trees)
         paths = [
             self._commit(running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
             for row, (running, tree) in enumerate(zip(self.running, trees, strict=True))

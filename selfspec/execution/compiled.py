@@ -54,6 +54,7 @@ from ..tree_attention import causal_block_mask
 from . import native
 from .attention import FLOAT64_SDPA, GROUPED_SDPA, ROW_ATTENTION
 from .calibration import measure_until_quiet
+from .head import HeadProxy, head_proxy
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP
@@ -66,7 +67,7 @@ MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batc
 GRAPHS = {"few": (1, 16), "tree": (1, MAX_TREE_ROWS), "q4": (1, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 6  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+PACKAGE_FORMAT = 7  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 FEW_ROWS_ENV = "SELFSPEC_FEW_ROWS"  # fixes the rows up to which steps run in `few` instead of measuring them (tests)
 SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `tree` are timed (up to `few`'s last)
@@ -158,6 +159,26 @@ def _traced_twin(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     return twin
 
 
+def _own_storages(model: torch.nn.Module) -> None:
+    """Give `model` (a twin, traced for a frozen graph) copies of its weights that own their memory, tied ones tied
+    still. AOTInductor sizes each constant it stores by its whole storage, and a loaded target's weights are views of
+    one huge-page mapping (memory.into_huge_pages): SmolLM2's 272 tensors would count 0.54 GB each (a MemoryError
+    asking for 147 GB). The copies live while the graph is compiled."""
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
+                    continue
+                if id(tensor) not in copies:
+                    clone = tensor.detach().clone()
+                    copies[id(tensor)] = torch.nn.Parameter(clone, False) if name in module._parameters else clone
+                if name in module._parameters:
+                    module._parameters[name] = copies[id(tensor)]
+                else:
+                    module._buffers[name] = copies[id(tensor)]
+
+
 class _Step(torch.nn.Module):
     """The traced function: (new tokens [B, n], their positions [B, n], the whole additive mask [B, 1, n, cached + n]
     over the cached positions and the new ones, each layer's key and value storage [B, kv_heads, capacity, head_dim]
@@ -165,26 +186,46 @@ class _Step(torch.nn.Module):
     [B, n, H]). B is 1 for one request; the batch engine's rows are requests of different lengths, each row's mask
     showing it only its own."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, head: HeadProxy | None = None):
+        """head: the LM head's proxy and bounds (head.py), for a graph whose head is `selfspec::bounded_head`: it then
+        takes one more input, `argmax_only` (a bool tensor), and runs the decoder, then the head over its last
+        hidden state (a model whose causal LM forward does no more than that: `_plain_head`)."""
         super().__init__()
         self.model = model
+        self.bounded = head is not None
+        if head is not None:
+            self.register_buffer("head_proxy", head.proxy, persistent=False)
+            self.register_buffer("head_bound", head.bound, persistent=False)
 
-    def forward(self, input_ids, position_ids, mask, key_stores, value_stores):
+    def forward(self, input_ids, position_ids, mask, key_stores, value_stores, argmax_only=None):
         n = input_ids.shape[1]
         cached = mask.shape[-1] - n
         cache = DynamicCache(config=self.model.config)
         cache.layers = [
             _StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores, strict=True)
         ]
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        return output.logits, tuple(output.hidden_states)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask}
+        if not self.bounded:
+            output = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            return output.logits, tuple(output.hidden_states)
+        output = self.model.get_decoder()(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        weight = self.model.get_output_embeddings().weight
+        logits = native.bounded_head(output.last_hidden_state, weight, self.head_proxy, self.head_bound, argmax_only)
+        return logits, tuple(output.hidden_states)
+
+
+def _plain_head(model: torch.nn.Module) -> bool:
+    """Whether `model`'s logits are its output embeddings' bias-free float32 product over the decoder's last hidden
+    state and nothing more (no soft-capping or scaling after it), checked on a few tokens: the `few` graph then
+    computes them itself, through bounded_head."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.dtype != torch.float32:
+        return False
+    tokens = torch.arange(4).view(1, 4) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=tokens, use_cache=False).logits
+        hidden = model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+    return torch.equal(logits, torch.nn.functional.linear(hidden, head.weight))
 
 
 def _zero_stores(config, batch: int, capacity: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -194,7 +235,7 @@ def _zero_stores(config, batch: int, capacity: int, dtype: torch.dtype) -> list[
     return [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
 
 
-def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None = None) -> tuple:
+def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None = None, bounded: bool = False) -> tuple:
     config = model.config
     dtype = next(model.parameters()).dtype
     batch = 2  # traced with two requests, so that the batch dimension stays dynamic (one request is B = 1)
@@ -206,6 +247,7 @@ def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None 
         causal_block_mask(_EXAMPLE_CACHED, rows, dtype, "cpu").expand(batch, 1, rows, -1).contiguous(),
         stores,
         [store.clone() for store in stores],
+        *((torch.tensor(True),) if bounded else ()),
     )
 
 
@@ -225,7 +267,10 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
         "value_stores": [{0: batch, 2: Dim.AUTO}] * layers,
     }
     float64_cache = kind == "q4" and _float64_attention(model)
-    example = _example(model, min(max(low, 6), high), torch.float64 if float64_cache else None)
+    head = head_proxy(model.get_output_embeddings().weight) if kind == "few" and _plain_head(model) else None
+    example = _example(model, min(max(low, 6), high), torch.float64 if float64_cache else None, head is not None)
+    if head is not None:
+        shapes["argmax_only"] = None
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
     # `tree` freezes the weights (packed into the package); `few` and `q4` read the model's own (CompiledStep.load):
@@ -247,8 +292,10 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
             if on_stage is not None:
                 on_stage(kind, "export")
             traced = model if kind == "q4" else _traced_twin(model, kind)  # q4's twin has its own attention
+            if kind == "tree":
+                _own_storages(traced)
             with _SmallRowProducts() if kind == "few" else contextlib.nullcontext():
-                program = torch.export.export(_Step(traced), example, dynamic_shapes=shapes, strict=False)
+                program = torch.export.export(_Step(traced, head), example, dynamic_shapes=shapes, strict=False)
             if on_stage is not None:
                 on_stage(kind, "compile")
             torch._inductor.aoti_compile_and_package(program, package_path=str(temp), inductor_configs=options)
@@ -280,12 +327,17 @@ class _Graph:
     the flat list of tensors to the package's runner itself: the package's own call parses its input and output tree
     specifications at every call (0.2 ms a step for 60 cache tensors)."""
 
-    def __init__(self, package):
+    def __init__(self, package, bounded: bool = False):
         self.package = package
+        self.bounded = bounded  # its LM head is bounded_head: it takes `argmax_only`
 
-    def __call__(self, input_ids, position_ids, mask, key_stores, value_stores):
-        outputs = self.package.loader.boxed_run([input_ids, position_ids, mask, *key_stores, *value_stores])
+    def __call__(self, input_ids, position_ids, mask, key_stores, value_stores, argmax_only: bool = False):
+        flag = (_TRUE if argmax_only else _FALSE,) if self.bounded else ()
+        outputs = self.package.loader.boxed_run([input_ids, position_ids, mask, *key_stores, *value_stores, *flag])
         return outputs[0], tuple(outputs[1:])
+
+
+_TRUE, _FALSE = torch.tensor(True), torch.tensor(False)
 
 
 class CompiledStep:
@@ -309,6 +361,9 @@ class CompiledStep:
         self.dtype = next(model.parameters()).dtype  # the masks' (the q4 path's KV storage may be float64)
         self._directory: Path | None = None
         self.few_rows: int | None = None  # the rows up to which `few` runs, once settled (settle_split)
+        # set by ExecutionPath.argmax_only: the steps' logits are read for their argmax alone (greedy verification),
+        # so a graph whose head is bounded_head computes the maximal candidates only (head.py)
+        self.argmax_only = False
 
     @property
     def directory(self) -> Path:
@@ -357,7 +412,9 @@ class CompiledStep:
             kind: torch._inductor.aoti_load_package(str(self.directory / f"{kind}.pt2"))
             for kind in self.graphs_needed()
         }
-        step = _Step(self.model)
+        bounded = {kind for kind in runners if "head_proxy" in runners[kind].get_constant_fqns()}
+        head = head_proxy(self.model.get_output_embeddings().weight) if bounded else None
+        step = _Step(self.model, head)
         own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
         for kind in set(runners) & set(WEIGHTLESS):  # it reads the model's own weights, not a copy
             needed = runners[kind].get_constant_fqns()
@@ -370,7 +427,7 @@ class CompiledStep:
             runners[kind].load_constants(
                 {name: own[name] for name in needed}, check_full_update=True, user_managed=True
             )
-        self.runners = {kind: _Graph(runner) for kind, runner in runners.items()}
+        self.runners = {kind: _Graph(runner, kind in bounded) for kind, runner in runners.items()}
         self.settle_split(remeasure)
 
     def few_limit(self) -> int:
@@ -518,7 +575,9 @@ class CompiledStep:
             layer.reserve(cached + rows)
         keys, values = zip(*(layer.storage for layer in cache.layers), strict=True)  # each layer's storage, read once
         stores = (list(keys), list(values))
-        logits, hidden = self.runners[kind](input_ids, position_ids.contiguous(), mask.contiguous(), *stores)
+        logits, hidden = self.runners[kind](
+            input_ids, position_ids.contiguous(), mask.contiguous(), *stores, self.argmax_only
+        )
         for layer in cache.layers:
             layer.mark_filled(cached + n)  # the dummy rows' keys and values stay outside the length
         return CausalLMOutputWithPast(

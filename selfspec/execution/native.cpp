@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -129,6 +130,69 @@ void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const fl
       dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
 }
 
+// bfloat16 weights widened in registers (exact: a bfloat16 is the upper half of a float32)
+#if defined(__AVX512F__)
+inline Vec load_wide(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+inline Vec load_wide(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+inline float widen(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// `dots` over bfloat16 weight rows: F weight rows x R input rows -> out[r * ldy + f]
+template <int F, int R>
+inline void wide_dots(const float* x, int64_t K, const uint16_t* w, float* out, int64_t ldy) {
+  Vec acc[F][R];
+#pragma GCC unroll 16
+  for (int f = 0; f < F; f++)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[f][r] = zero();
+  const int64_t vector_end = K - K % kLanes;
+  for (int64_t k = 0; k < vector_end; k += kLanes) {
+    Vec xs[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) xs[r] = load(x + r * K + k);
+#pragma GCC unroll 16
+    for (int f = 0; f < F; f++) {
+      const Vec weights = load_wide(w + f * K + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) acc[f][r] = fma(weights, xs[r], acc[f][r]);
+    }
+  }
+  for (int f = 0; f < F; f++) {
+    for (int r = 0; r < R; r++) {
+      float sum = total(acc[f][r]);
+      for (int64_t k = vector_end; k < K; k++) sum += widen(w[f * K + k]) * x[r * K + k];
+      out[r * ldy + f] = sum;
+    }
+  }
+}
+
+// the features [begin, end) of every input row against bfloat16 weight rows, each block read from memory once
+void wide_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t begin,
+               int64_t end) {
+  int64_t n = begin;
+  if (rows == 1) {
+    for (; n + kOneRowFeatures <= end; n += kOneRowFeatures) wide_dots<kOneRowFeatures, 1>(x, K, w + n * K, y + n, 1);
+  } else {
+    for (; n + kFeatures <= end; n += kFeatures) {
+      int64_t row = 0;
+      for (; row + 2 <= rows; row += 2) wide_dots<kFeatures, 2>(x + row * K, K, w + n * K, y + row * N + n, N);
+      if (row < rows) wide_dots<kFeatures, 1>(x + row * K, K, w + n * K, y + row * N + n, N);
+    }
+  }
+  for (; n < end; n++)
+    for (int64_t row = 0; row < rows; row++) wide_dots<1, 1>(x + row * K, K, w + n * K, y + row * N + n, N);
+}
+
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kMaskedBelow = -1e30f;  // an additive mask entry this low hides its key (finfo.min, -inf)
 
@@ -207,6 +271,61 @@ at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c
 }
 
 
+// selfspec::bounded_head(input, weight, proxy, bound, argmax_only): the LM head's x W^T for 1-16 rows. Where
+// `argmax_only` is false, exactly small_rows(input, weight). Where it is true, each row's logits are exact (the
+// small-row kernel's bits) where they could be the row's maximum and -inf elsewhere, so that their argmax is the
+// full product's, bit for bit, ties to the lower index included: the row is first multiplied by `proxy`, the weight
+// rounded to bfloat16 (half the bytes to stream), and `bound[n]` * |x| (the Euclidean norm) bounds how far that
+// proxy's computed value can lie from the exact kernel's for weight row n (bound: the norm of |w - b| + gamma_K
+// (|w| + |b|) over the row, rounded up; see execution/head.py). Every row whose exact value could reach the largest
+// lower bound is computed exactly: on SmolLM2 one to three of the 49,152.
+at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& proxy,
+                        const at::Tensor& bound, const at::Tensor& argmax_only) {
+  const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1), N = weight.size(0);
+  bool ours = argmax_only.item<bool>() && input.device().is_cpu() && input.scalar_type() == at::kFloat &&
+              weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
+              weight.size(1) == K && K > 0 && rows <= kMaxRows && proxy.scalar_type() == at::kBFloat16 &&
+              proxy.is_contiguous() && proxy.sizes() == weight.sizes() && bound.scalar_type() == at::kFloat &&
+              bound.is_contiguous() && bound.numel() == N;
+#ifndef SELFSPEC_VECTOR
+  ours = false;
+#endif
+  if (!ours) return small_rows(input, weight, c10::nullopt);
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = N;
+  at::Tensor output = at::empty(sizes, input.options());
+#ifdef SELFSPEC_VECTOR
+  const at::Tensor x = input.contiguous();
+  const float* xs = x.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  const uint16_t* ps = reinterpret_cast<const uint16_t*>(proxy.data_ptr<at::BFloat16>());
+  const float* cs = bound.data_ptr<float>();
+  float* ys = output.data_ptr<float>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+    wide_rows(xs, rows, K, ps, ys, N, first * kBlock, std::min(N, last * kBlock));
+  });
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) {
+      const float* xr = xs + r * K;
+      float* yr = ys + r * N;
+      double squares = 0.0;
+      for (int64_t k = 0; k < K; k++) squares += double(xr[k]) * double(xr[k]);
+      const double norm = std::sqrt(squares) * (1.0 + 1e-9);  // |x|, rounded up past double's own error
+      double floor = -std::numeric_limits<double>::infinity();  // the largest lower bound of an exact value
+      for (int64_t n = 0; n < N; n++) floor = std::max(floor, double(yr[n]) - double(cs[n]) * norm);
+      for (int64_t n = 0; n < N; n++) {
+        if (double(yr[n]) + double(cs[n]) * norm >= floor)
+          dots<1, 1>(xr, K, ws + n * K, nullptr, yr + n, 1);  // small_rows' bits for this element
+        else
+          yr[n] = -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+#endif
+  return output;
+}
+
 // query [B, H, n, D]; key, value [B, KV, S, D] (H a multiple of KV; any strides, the last dimension contiguous);
 // mask: an additive [B or 1, 1, n, S] float32 mask (any strides), or undefined: causal, the last n keys being the
 // queries' own -> [B, H, n, D]
@@ -259,8 +378,10 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
 TORCH_LIBRARY(selfspec, m) {
   m.def("small_rows(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("row_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.def("bounded_head(Tensor input, Tensor weight, Tensor proxy, Tensor bound, Tensor argmax_only) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) {
   m.impl("small_rows", &small_rows);
   m.impl("row_attention", &row_attention);
+  m.impl("bounded_head", &bounded_head);
 }

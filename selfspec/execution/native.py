@@ -110,6 +110,10 @@ def _register(path: str) -> None:
     def _product_shape(input, weight, bias=None):  # noqa: ARG001
         return input.new_empty(*input.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake("selfspec::bounded_head")
+    def _head_shape(input, weight, proxy, bound, argmax_only):  # noqa: ARG001
+        return input.new_empty(*input.shape[:-1], weight.shape[0])
+
     @torch.library.register_fake("selfspec::row_attention")
     def _attention_shape(query, key, value, mask, scale):  # noqa: ARG001
         return query.new_empty(query.shape)
@@ -151,3 +155,12 @@ def row_attention(
     key and value [B, KV, S, D] (grouped heads as they are), mask additive [B or 1, 1, n, S] or None (causal, the last
     n keys being the queries') -> [B, H, n, D] (load() must have succeeded)."""
     return torch.ops.selfspec.row_attention(query, key, value, mask, scale)
+
+
+def bounded_head(
+    input: torch.Tensor, weight: torch.Tensor, proxy: torch.Tensor, bound: torch.Tensor, argmax_only: torch.Tensor
+) -> torch.Tensor:
+    """The LM head's input [..., in] x weight [out, in]^T: exactly small_rows' where `argmax_only` (a bool tensor) is
+    false; where it is true, exact where an element could be its row's maximum and -inf elsewhere, found through
+    `proxy` (the weight in bfloat16) and `bound` (head.py). load() must have succeeded."""
+    return torch.ops.selfspec.bounded_head(input, weight, proxy, bound, argmax_only)

@@ -160,6 +160,22 @@ class ExecutionPath:
         finally:
             self._depth -= 1
 
+    @contextlib.contextmanager
+    def argmax_only(self, enabled: bool = True) -> Iterator[None]:
+        """Inside the block (where `enabled`), the steps' logits are read for each row's argmax alone (greedy
+        verification): the compiled `few` graph's LM head then computes exactly only the logits that could be a row's
+        maximum and leaves -inf elsewhere (head.py: the same argmax, about half the head's time). Other paths and
+        graphs give every logit as always."""
+        step = self.compiled
+        if step is None or not enabled:
+            yield
+            return
+        before, step.argmax_only = step.argmax_only, True
+        try:
+            yield
+        finally:
+            step.argmax_only = before
+
     def prepare(self) -> None:
         """Settle the path before anything runs on it or keys on its name (the cost curve): pack the linears and
         calibrate their row split, which decides the graphs the compiled path needs; then load them where they are
