@@ -42,15 +42,37 @@ def test_the_four_bit_product_is_the_blocks_product_in_bfloat16():
     torch.testing.assert_close(layer(hidden), expected, atol=0.02, rtol=0.01)  # the output rounds to bfloat16
 
 
-@pytest.mark.parametrize("make", [random_four_bit, lambda: BFloat16Head(torch.nn.Linear(128, 300, bias=False))])
+@pytest.mark.parametrize(
+    "make",
+    [
+        random_four_bit,
+        lambda: BFloat16Head(torch.nn.Linear(128, 300, bias=False)),
+        lambda: BFloat16Head(torch.nn.Linear(131, 300, bias=False), wide=True),  # selfspec's kernel, a scalar tail
+    ],
+)
 def test_rows_do_not_depend_on_the_rows_in_the_call(make):
     layer = make()
-    hidden = torch.randn(ROWS, 128)
+    hidden = torch.randn(ROWS, layer.in_features)
     with torch.inference_mode():
         together = layer(hidden)
         for rows in (1, 2, 3, 5, 8):
             alone = torch.cat([layer(hidden[start : start + rows]) for start in range(0, ROWS, rows)])
             assert torch.equal(alone, together), f"{rows} rows a call gave other bits than {ROWS} at once"
+
+
+def test_the_wide_head_multiplies_the_float32_input_by_the_rounded_weight():
+    """The q4 head on selfspec's kernel (where it is built): the bfloat16 weight widened exactly against the float32
+    input as it is, float32 sums (float64's product to float32 rounding), any row count, a sliced input too."""
+    from selfspec.execution import native
+
+    assert native.load(build_missing=True)
+    linear = torch.nn.Linear(133, 70, bias=False)
+    head = BFloat16Head(linear, wide=True)
+    hidden = torch.randn(3, 40, 133)[:, -1:]  # a view with the batch stride of a longer prompt
+    expected = hidden.double() @ head.weight16.double().t()
+    torch.testing.assert_close(head(hidden).double(), expected, atol=1e-5, rtol=1e-5)
+    rounded = BFloat16Head(linear)(hidden)  # oneDNN's: the input rounded to bfloat16 as well
+    assert not torch.equal(head(hidden), rounded) and torch.allclose(head(hidden), rounded, atol=0.1)
 
 
 def test_the_bfloat16_head_lays_a_sliced_input_out_afresh(monkeypatch):

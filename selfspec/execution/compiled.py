@@ -99,8 +99,9 @@ def package_dir(model: torch.nn.Module, model_name: str, four_bit: bool = False)
         f"torch{torch.__version__}-transformers{transformers.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
     )
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    if four_bit:  # its attention (native row attention, or float64 SDPA over a float64 cache) is in the graph
-        dtype += "-q4-f64attention" if _float64_attention(model) else "-q4-rowattention"
+    if four_bit:  # its attention and head (native row attention and wide_product, or float64 SDPA over a float64
+        # cache and oneDNN's bfloat16 head) are in the graph
+        dtype += "-q4-f64attention" if _float64_attention(model) else "-q4-rowattention-widehead"
     key = (
         f"{Path(model_name).name}--{weights_digest(model, buffers=four_bit)}--{dtype}--format{PACKAGE_FORMAT}"
         f"--cpu-{cpu_signature()}-{torch.get_num_threads()}threads--{versions}"

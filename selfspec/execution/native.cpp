@@ -326,6 +326,33 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
   return output;
 }
 
+// selfspec::wide_product(input, weight): a float32 input [..., K] x a bfloat16 weight [N, K]^T in float32 (the
+// weight widened exactly, the input as it is, float32 sums: no rounding but the sums'), any number of rows, each
+// output element computed the same way whatever the row count (the q4 path's LM head, q4.py)
+at::Tensor wide_product(const at::Tensor& input, const at::Tensor& weight) {
+  const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1);
+  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.size(1) == K && input.device().is_cpu(),
+              "wide_product: a float32 input [..., K] and a contiguous bfloat16 weight [N, K] on the CPU");
+  const int64_t N = weight.size(0);
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = N;
+  at::Tensor output = at::empty(sizes, input.options());
+#ifdef SELFSPEC_VECTOR
+  const at::Tensor x = input.contiguous();
+  const float* xs = x.data_ptr<float>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  float* ys = output.data_ptr<float>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+    wide_rows(xs, rows, K, ws, ys, N, first * kBlock, std::min(N, last * kBlock));
+  });
+#else
+  TORCH_CHECK(false, "wide_product: built without AVX2/AVX-512");
+#endif
+  return output;
+}
+
 // query [B, H, n, D]; key, value [B, KV, S, D] (H a multiple of KV; any strides, the last dimension contiguous);
 // mask: an additive [B or 1, 1, n, S] float32 mask (any strides), or undefined: causal, the last n keys being the
 // queries' own -> [B, H, n, D]
@@ -379,9 +406,11 @@ TORCH_LIBRARY(selfspec, m) {
   m.def("small_rows(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("row_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   m.def("bounded_head(Tensor input, Tensor weight, Tensor proxy, Tensor bound, Tensor argmax_only) -> Tensor");
+  m.def("wide_product(Tensor input, Tensor weight) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) {
   m.impl("small_rows", &small_rows);
   m.impl("row_attention", &row_attention);
   m.impl("bounded_head", &bounded_head);
+  m.impl("wide_product", &wide_product);
 }

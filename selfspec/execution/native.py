@@ -114,6 +114,10 @@ def _register(path: str) -> None:
     def _head_shape(input, weight, proxy, bound, argmax_only):  # noqa: ARG001
         return input.new_empty(*input.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake("selfspec::wide_product")
+    def _wide_shape(input, weight):
+        return input.new_empty(*input.shape[:-1], weight.shape[0])
+
     @torch.library.register_fake("selfspec::row_attention")
     def _attention_shape(query, key, value, mask, scale):  # noqa: ARG001
         return query.new_empty(query.shape)
@@ -164,3 +168,9 @@ def bounded_head(
     false; where it is true, exact where an element could be its row's maximum and -inf elsewhere, found through
     `proxy` (the weight in bfloat16) and `bound` (head.py). load() must have succeeded."""
     return torch.ops.selfspec.bounded_head(input, weight, proxy, bound, argmax_only)
+
+
+def wide_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """input [..., in] (float32) x weight [out, in]^T (bfloat16, widened exactly) in float32, any number of rows, each
+    row's result the same whatever the row count (load() must have succeeded)."""
+    return torch.ops.selfspec.wide_product(input, weight)

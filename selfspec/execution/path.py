@@ -98,7 +98,7 @@ class ExecutionPath:
             rows = native.load(build_missing=self.compile_mode != "off")  # seconds, once per machine
             twin.set_attn_implementation(ROW_ATTENTION if rows else FLOAT64_SDPA)
             self.kv_dtype = None if rows else torch.float64
-            twin.set_output_embeddings(BFloat16Head(twin.get_output_embeddings()))
+            twin.set_output_embeddings(BFloat16Head(twin.get_output_embeddings(), wide=rows))
             if self.compiled is not None:
                 self.compiled.model = twin  # the q4 graph is traced from, and reads its weights from, the twin
         else:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SelfspecError
+from ..memory import into_huge_pages
+from . import native
 
 GROUP = 32  # weights per GGUF block, and the kernel's group size
 # block type -> bytes a block takes: a float16 scale (and a float16 minimum for Q4_1), then 16 bytes of codes
@@ -83,16 +85,23 @@ class BFloat16Head(torch.nn.Module):
     which reads half the memory and, unlike MKL's float32 product, gives each row the same result whatever the row
     count. The float32 weight stays registered as `weight` (shared with the model), for code that reads it."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, wide: bool = False):
+        """wide: multiply on selfspec's kernel (native.wide_product: the float32 input as it is against the bfloat16
+        weight widened, float32 sums; half oneDNN's time at one row), else on oneDNN's bfloat16 product (the input
+        rounded to bfloat16 too). A bias keeps oneDNN's."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.register_buffer("weight16", linear.weight.detach().to(torch.bfloat16), persistent=False)
+        self.wide = wide and linear.bias is None
+        weight16 = linear.weight.detach().to(torch.bfloat16)
+        self.register_buffer("weight16", (into_huge_pages([weight16]) or [weight16])[0], persistent=False)
         self.register_buffer(
             "bias16", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16), persistent=False
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.wide and hidden.dtype == torch.float32:
+            return native.wide_product(hidden, self.weight16)
         # Strides made plain: a prefill's last position (`logits_to_keep`) is a [1, 1, H] view whose batch stride is the
         # prompt's, and oneDNN's bfloat16 product took 47 ms on it against 1.8 ms on the same values laid out afresh.
         hidden16 = hidden.to(torch.bfloat16, memory_format=torch.contiguous_format)
