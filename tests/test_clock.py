@@ -86,7 +86,7 @@ def test_the_reports_stage_seconds_are_on_the_run_clock(monkeypatch):
     monkeypatch.setattr(pipeline, "running_time", lambda: next(ticks))
     monkeypatch.setattr(pipeline, "resolve_recipe", lambda drafter: lambda *args: {})
     for stub in ("load_target", "evaluate_heldout", "write_report", "to_dict"):
-        monkeypatch.setattr(pipeline, stub, lambda *args: {})
+        monkeypatch.setattr(pipeline, stub, lambda *args, **kwargs: {})
     config = SimpleNamespace(train=SimpleNamespace(seed=0), model="m", out="o", drafter="d")
     report = pipeline.run_recipe(config)
     assert report["timings"] == {"heldout_eval_s": 7, "total_s": 21}

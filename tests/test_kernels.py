@@ -369,6 +369,9 @@ def test_each_dtype_has_its_own_profile(tmp_path, monkeypatch, capsys):
     """A bfloat16 step costs differently from a float32 one: a curve measured in one never sizes the other's trees."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
+    import selfspec.cost as cost_module
+
+    monkeypatch.setattr(cost_module, "busy_spread", lambda samples: 1.0)  # stored even beside a busy test worker
     single = make_tiny_target("llama", path="stock")
     half = Target(copy.deepcopy(single.model).to(torch.bfloat16), None, single.name, path="stock")
     assert create_drafter("ngram", single).cost_curve.source.endswith("--stock.json")  # float32: the name it had

@@ -135,30 +135,38 @@ def _near_ties(rows: int = 4000, features: int = 96, seed: int = 0) -> tuple[tor
     return weight.contiguous(), torch.randn(16, features, generator=generator)
 
 
-def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel):
-    """Greedy steps' LM head (head.py): with argmax_only every row's argmax is the full float32 product's (ties to
-    the lower index), the elements it computes are that product's bits and the rest -inf; without it, the product
-    itself. The inputs are built so that a bfloat16 proxy alone picks another row, and so that bounds of zero (the
-    proxy trusted as it is) pick a wrong one: the bound is what makes it exact."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel, dtype):
+    """Greedy steps' LM head (head.py), for a float32 weight (small_rows' product) and a bfloat16 one (wide_product's,
+    the q4 head's): with argmax_only every row's argmax is the full product's (ties to the lower index), the elements
+    it computes are that product's bits and the rest -inf; without it, the product itself. The inputs are built so
+    that the int8 proxy alone picks another row, and so that bounds of zero (the proxy trusted as it is) pick a wrong
+    one: the bound is what makes it exact."""
     from selfspec.execution.head import HeadProxy, head_proxy
 
     weight, inputs = _near_ties()
+    weight = weight.to(dtype)
+    product = kernel if dtype == torch.float32 else native_module.wide_product
     head = head_proxy(weight)
-    full = kernel(inputs, weight)
+    full = product(inputs, weight)
     yes, no = torch.tensor(True), torch.tensor(False)
-    assert torch.equal(native_module.bounded_head(inputs, weight, head.proxy, head.bound, no), full)
+    assert torch.equal(native_module.bounded_head(inputs, weight, head, no), full)
     for rows in (1, 2, 5, 16):
-        bounded = native_module.bounded_head(inputs[:rows], weight, head.proxy, head.bound, yes)
+        bounded = native_module.bounded_head(inputs[:rows], weight, head, yes)
         assert torch.equal(bounded.argmax(-1), full[:rows].argmax(-1))
         kept = torch.isfinite(bounded)
         assert torch.equal(bounded[kept], full[:rows][kept]) and bool((bounded[~kept] == float("-inf")).all())
-    proxy_argmax = F.linear(inputs, head.proxy.float()).argmax(-1)
-    assert (proxy_argmax != full.argmax(-1)).any(), "the inputs do not tell the proxy from the exact product"
-    unbounded = native_module.bounded_head(inputs, weight, head.proxy, torch.zeros_like(head.bound), yes)
-    assert not torch.equal(unbounded.argmax(-1), full.argmax(-1)), "bounds of zero were not caught"
+    proxy = head.codes.float() * head.scale[:, None]
+    assert (F.linear(inputs, proxy).argmax(-1) != full.argmax(-1)).any(), "the proxy alone finds every argmax here"
+    unbounded = HeadProxy(head.codes, head.scale, torch.zeros_like(head.bound))
+    assert not torch.equal(native_module.bounded_head(inputs, weight, unbounded, yes).argmax(-1), full.argmax(-1))
     tie = torch.zeros(1, weight.shape[1])  # every logit 0: the first row wins, as in the full product
-    assert native_module.bounded_head(tie, weight, head.proxy, head.bound, yes).argmax().item() == 0
+    assert native_module.bounded_head(tie, weight, head, yes).argmax().item() == 0
     # the bound holds with room: the proxy's value lies within bound * |x| of the exact one
-    gap = (F.linear(inputs, head.proxy.float()) - full).abs()
-    assert bool((gap <= head.bound * inputs.norm(dim=-1, keepdim=True)).all())
-    assert isinstance(head, HeadProxy) and head.proxy.dtype == torch.bfloat16 and head.bound.dtype == torch.float32
+    gap = (F.linear(inputs.double(), proxy.double()) - full.double()).abs()
+    assert bool((gap <= head.bound.double() * inputs.double().norm(dim=-1, keepdim=True)).all())
+    assert head.codes.dtype == torch.int8 and head.bound.dtype == head.scale.dtype == torch.float32
+    spread = torch.randn(4000, 96).to(dtype)  # rows far apart: most logits are left out
+    bounded = native_module.bounded_head(inputs, spread, head_proxy(spread), yes)
+    assert torch.equal(bounded.argmax(-1), product(inputs, spread).argmax(-1))
+    assert torch.isfinite(bounded).sum() < bounded.numel() // 10

@@ -60,6 +60,26 @@ def test_q4_steps_run_in_its_graph_and_equal_plain_decoding(compiled_q4, monkeyp
     assert ("q4", 2) in graphs and any(rows > 2 for _, rows in graphs)  # one-token steps padded, trees as they are
 
 
+def test_a_greedy_q4_step_computes_only_the_logits_that_could_be_its_argmax(compiled_q4):
+    """Under `argmax_only` (greedy decoding) the q4 graph's head (BFloat16Head on wide_product, head.py) computes
+    exactly only the logits that could be each row's maximum, -inf elsewhere: the full step's argmax and bits."""
+    from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, tree_forward
+
+    chain = DraftTree(tokens=torch.tensor([12, 30, 31]), parents=torch.tensor([-1, 0, 1]))
+    results = {}
+    with torch.inference_mode(), compiled_q4.execution.active():
+        for argmax_only in (False, True):
+            cache = compiled_q4.execution.new_cache()
+            chunk_forward(compiled_q4.forward, cache, torch.tensor([LONG_PROMPT]))
+            with compiled_q4.execution.argmax_only(argmax_only):
+                inputs = build_tree_inputs(chain, len(LONG_PROMPT), compiled_q4.dtype, "cpu")
+                results[argmax_only] = tree_forward(compiled_q4.forward, cache, inputs).logits
+    full, bounded = results[False], results[True]
+    kept = torch.isfinite(bounded)
+    assert torch.equal(bounded.argmax(-1), full.argmax(-1)) and torch.equal(bounded[kept], full[kept])
+    assert kept.sum() < kept.numel()
+
+
 def test_q4_under_its_own_name_builds_its_graph_in_the_background(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("SELFSPEC_COMPILE", "1")

@@ -57,7 +57,7 @@ from .calibration import measure_until_quiet
 from .head import HeadProxy, head_proxy
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
-from .q4 import GROUP
+from .q4 import GROUP, BFloat16Head
 from .twin import sharing_copy
 
 MAX_TREE_ROWS = 64  # the largest tree the `tree` graph takes; larger forwards run eager
@@ -67,7 +67,7 @@ MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batc
 GRAPHS = {"few": (1, 16), "tree": (1, MAX_TREE_ROWS), "q4": (1, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 7  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+PACKAGE_FORMAT = 8  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 FEW_ROWS_ENV = "SELFSPEC_FEW_ROWS"  # fixes the rows up to which steps run in `few` instead of measuring them (tests)
 SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `tree` are timed (up to `few`'s last)
@@ -190,12 +190,15 @@ class _Step(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, head: HeadProxy | None = None):
         """head: the LM head's proxy and bounds (head.py), for a graph whose head is `selfspec::bounded_head`: it then
         takes one more input, `argmax_only` (a bool tensor), and runs the decoder, then the head over its last
-        hidden state (a model whose causal LM forward does no more than that: `_plain_head`)."""
+        hidden state (a model whose causal LM forward does no more than that: `_plain_head`). A model whose output
+        embeddings bound themselves (q4's BFloat16Head with its proxy) takes `argmax_only` too, handed to its head."""
         super().__init__()
         self.model = model
         self.bounded = head is not None
+        self.head_takes_flag = _takes_flag(model)
         if head is not None:
-            self.register_buffer("head_proxy", head.proxy, persistent=False)
+            self.register_buffer("head_codes", head.codes, persistent=False)
+            self.register_buffer("head_scale", head.scale, persistent=False)
             self.register_buffer("head_bound", head.bound, persistent=False)
 
     def forward(self, input_ids, position_ids, mask, key_stores, value_stores, argmax_only=None):
@@ -206,13 +209,28 @@ class _Step(torch.nn.Module):
             _StoreLayer(keys, values, cached) for keys, values in zip(key_stores, value_stores, strict=True)
         ]
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask}
+        if self.head_takes_flag:
+            with self.model.get_output_embeddings().deciding(argmax_only):
+                output = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
+            return output.logits, tuple(output.hidden_states)
         if not self.bounded:
             output = self.model(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
             return output.logits, tuple(output.hidden_states)
         output = self.model.get_decoder()(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
         weight = self.model.get_output_embeddings().weight
-        logits = native.bounded_head(output.last_hidden_state, weight, self.head_proxy, self.head_bound, argmax_only)
+        proxy = HeadProxy(self.head_codes, self.head_scale, self.head_bound)
+        logits = native.bounded_head(output.last_hidden_state, weight, proxy, argmax_only)
         return logits, tuple(output.hidden_states)
+
+
+def _takes_flag(model: torch.nn.Module) -> bool:
+    """Whether `model`'s output embeddings bound their own argmax (q4's BFloat16Head on selfspec's kernel): their
+    proxy and bounds are made now if they were not."""
+    head = model.get_output_embeddings()
+    if not (isinstance(head, BFloat16Head) and head.wide):
+        return False
+    head.add_bounds()
+    return True
 
 
 def _plain_head(model: torch.nn.Module) -> bool:
@@ -236,7 +254,7 @@ def _zero_stores(config, batch: int, capacity: int, dtype: torch.dtype) -> list[
     return [torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
 
 
-def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None = None, bounded: bool = False) -> tuple:
+def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None = None, flag: bool = False) -> tuple:
     config = model.config
     dtype = next(model.parameters()).dtype
     batch = 2  # traced with two requests, so that the batch dimension stays dynamic (one request is B = 1)
@@ -248,7 +266,7 @@ def _example(model: torch.nn.Module, rows: int, store_dtype: torch.dtype | None 
         causal_block_mask(_EXAMPLE_CACHED, rows, dtype, "cpu").expand(batch, 1, rows, -1).contiguous(),
         stores,
         [store.clone() for store in stores],
-        *((torch.tensor(True),) if bounded else ()),
+        *((torch.tensor(True),) if flag else ()),
     )
 
 
@@ -269,8 +287,9 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
     }
     float64_cache = kind == "q4" and _float64_attention(model)
     head = head_proxy(model.get_output_embeddings().weight) if kind == "few" and _plain_head(model) else None
-    example = _example(model, min(max(low, 6), high), torch.float64 if float64_cache else None, head is not None)
-    if head is not None:
+    flag = head is not None or (kind == "q4" and _takes_flag(model))
+    example = _example(model, min(max(low, 6), high), torch.float64 if float64_cache else None, flag)
+    if flag:
         shapes["argmax_only"] = None
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # renamed over `path` once complete
@@ -413,8 +432,10 @@ class CompiledStep:
             kind: torch._inductor.aoti_load_package(str(self.directory / f"{kind}.pt2"))
             for kind in self.graphs_needed()
         }
-        bounded = {kind for kind in runners if "head_proxy" in runners[kind].get_constant_fqns()}
+        bounded = {kind for kind in runners if "head_codes" in runners[kind].get_constant_fqns()}
         head = head_proxy(self.model.get_output_embeddings().weight) if bounded else None
+        if "q4" in runners and _takes_flag(self.model):
+            bounded.add("q4")  # its head (the twin's) holds its proxy
         step = _Step(self.model, head)
         own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
         for kind in set(runners) & set(WEIGHTLESS):  # it reads the model's own weights, not a copy

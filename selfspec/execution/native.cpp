@@ -193,6 +193,36 @@ void wide_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, float
     for (int64_t row = 0; row < rows; row++) wide_dots<1, 1>(x + row * K, K, w + n * K, y + row * N + n, N);
 }
 
+// int8 codes widened in registers (exact)
+#if defined(__AVX512F__)
+inline Vec load_codes(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#else
+inline Vec load_codes(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+
+// an int8 proxy's F rows x one input row: out[f] = scale[f] * (sum over k of code[f][k] * x[k])
+template <int F>
+inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* scale, float* out) {
+  Vec acc[F];
+#pragma GCC unroll 16
+  for (int f = 0; f < F; f++) acc[f] = zero();
+  const int64_t vector_end = K - K % kLanes;
+  for (int64_t k = 0; k < vector_end; k += kLanes) {
+    const Vec xs = load(x + k);
+#pragma GCC unroll 16
+    for (int f = 0; f < F; f++) acc[f] = fma(load_codes(q + f * K + k), xs, acc[f]);
+  }
+  for (int f = 0; f < F; f++) {
+    float sum = total(acc[f]);
+    for (int64_t k = vector_end; k < K; k++) sum += float(q[f * K + k]) * x[k];
+    out[f] = scale[f] * sum;
+  }
+}
+
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kMaskedBelow = -1e30f;  // an additive mask entry this low hides its key (finfo.min, -inf)
 
@@ -271,61 +301,6 @@ at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c
 }
 
 
-// selfspec::bounded_head(input, weight, proxy, bound, argmax_only): the LM head's x W^T for 1-16 rows. Where
-// `argmax_only` is false, exactly small_rows(input, weight). Where it is true, each row's logits are exact (the
-// small-row kernel's bits) where they could be the row's maximum and -inf elsewhere, so that their argmax is the
-// full product's, bit for bit, ties to the lower index included: the row is first multiplied by `proxy`, the weight
-// rounded to bfloat16 (half the bytes to stream), and `bound[n]` * |x| (the Euclidean norm) bounds how far that
-// proxy's computed value can lie from the exact kernel's for weight row n (bound: the norm of |w - b| + gamma_K
-// (|w| + |b|) over the row, rounded up; see execution/head.py). Every row whose exact value could reach the largest
-// lower bound is computed exactly: on SmolLM2 one to three of the 49,152.
-at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& proxy,
-                        const at::Tensor& bound, const at::Tensor& argmax_only) {
-  const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1), N = weight.size(0);
-  bool ours = argmax_only.item<bool>() && input.device().is_cpu() && input.scalar_type() == at::kFloat &&
-              weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() &&
-              weight.size(1) == K && K > 0 && rows <= kMaxRows && proxy.scalar_type() == at::kBFloat16 &&
-              proxy.is_contiguous() && proxy.sizes() == weight.sizes() && bound.scalar_type() == at::kFloat &&
-              bound.is_contiguous() && bound.numel() == N;
-#ifndef SELFSPEC_VECTOR
-  ours = false;
-#endif
-  if (!ours) return small_rows(input, weight, c10::nullopt);
-  std::vector<int64_t> sizes = input.sizes().vec();
-  sizes.back() = N;
-  at::Tensor output = at::empty(sizes, input.options());
-#ifdef SELFSPEC_VECTOR
-  const at::Tensor x = input.contiguous();
-  const float* xs = x.data_ptr<float>();
-  const float* ws = weight.data_ptr<float>();
-  const uint16_t* ps = reinterpret_cast<const uint16_t*>(proxy.data_ptr<at::BFloat16>());
-  const float* cs = bound.data_ptr<float>();
-  float* ys = output.data_ptr<float>();
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
-    wide_rows(xs, rows, K, ps, ys, N, first * kBlock, std::min(N, last * kBlock));
-  });
-  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; r++) {
-      const float* xr = xs + r * K;
-      float* yr = ys + r * N;
-      double squares = 0.0;
-      for (int64_t k = 0; k < K; k++) squares += double(xr[k]) * double(xr[k]);
-      const double norm = std::sqrt(squares) * (1.0 + 1e-9);  // |x|, rounded up past double's own error
-      double floor = -std::numeric_limits<double>::infinity();  // the largest lower bound of an exact value
-      for (int64_t n = 0; n < N; n++) floor = std::max(floor, double(yr[n]) - double(cs[n]) * norm);
-      for (int64_t n = 0; n < N; n++) {
-        if (double(yr[n]) + double(cs[n]) * norm >= floor)
-          dots<1, 1>(xr, K, ws + n * K, nullptr, yr + n, 1);  // small_rows' bits for this element
-        else
-          yr[n] = -std::numeric_limits<float>::infinity();
-      }
-    }
-  });
-#endif
-  return output;
-}
-
 // selfspec::wide_product(input, weight): a float32 input [..., K] x a bfloat16 weight [N, K]^T in float32 (the
 // weight widened exactly, the input as it is, float32 sums: no rounding but the sums'), any number of rows, each
 // output element computed the same way whatever the row count (the q4 path's LM head, q4.py)
@@ -349,6 +324,74 @@ at::Tensor wide_product(const at::Tensor& input, const at::Tensor& weight) {
   });
 #else
   TORCH_CHECK(false, "wide_product: built without AVX2/AVX-512");
+#endif
+  return output;
+}
+
+// selfspec::bounded_head(input, weight, codes, scale, bound, argmax_only): an LM head's product for 1-16 rows, the
+// weight float32 (then small_rows' product) or bfloat16 (then wide_product's). Where `argmax_only` is false, exactly
+// that product. Where it is true, each row's logits are exact (that product's bits) where they could be the row's
+// maximum and -inf elsewhere, so that their argmax is the full product's, bit for bit, ties to the lower index
+// included: the row is first multiplied by an int8 proxy of the weight (codes [N, K] times a scale per row: a quarter
+// of float32's bytes to stream), and `bound[n]` * |x| (the Euclidean norm) bounds how far the proxy's computed value
+// can lie from the exact product's for weight row n (execution/head.py). Every logit whose upper bound reaches the
+// row's largest lower bound is computed exactly: on SmolLM2 a few of the 49,152.
+at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& codes,
+                        const at::Tensor& scale, const at::Tensor& bound, const at::Tensor& argmax_only) {
+  const bool wide = weight.scalar_type() == at::kBFloat16;
+  const auto full = [&]() { return wide ? wide_product(input, weight) : small_rows(input, weight, c10::nullopt); };
+  const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1), N = weight.size(0);
+  bool ours = argmax_only.item<bool>() && input.device().is_cpu() && input.scalar_type() == at::kFloat &&
+              (wide || weight.scalar_type() == at::kFloat) && weight.dim() == 2 && weight.is_contiguous() &&
+              weight.size(1) == K && K > 0 && rows <= kMaxRows && codes.scalar_type() == at::kChar &&
+              codes.is_contiguous() && codes.sizes() == weight.sizes() && scale.scalar_type() == at::kFloat &&
+              scale.is_contiguous() && scale.numel() == N && bound.scalar_type() == at::kFloat &&
+              bound.is_contiguous() && bound.numel() == N;
+#ifndef SELFSPEC_VECTOR
+  ours = false;
+#endif
+  if (!ours) return full();
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = N;
+  at::Tensor output = at::empty(sizes, input.options());
+#ifdef SELFSPEC_VECTOR
+  const at::Tensor x = input.contiguous();
+  const float* xs = x.data_ptr<float>();
+  const float* ws = wide ? nullptr : weight.data_ptr<float>();
+  const uint16_t* ws16 = wide ? reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()) : nullptr;
+  const int8_t* qs = codes.data_ptr<int8_t>();
+  const float* ss = scale.data_ptr<float>();
+  const float* cs = bound.data_ptr<float>();
+  float* ys = output.data_ptr<float>();
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+    const int64_t begin = first * kBlock, end = std::min(N, last * kBlock);
+    for (int64_t r = 0; r < rows; r++) {
+      int64_t n = begin;
+      for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
+        code_dots<kOneRowFeatures>(xs + r * K, K, qs + n * K, ss + n, ys + r * N + n);
+      for (; n < end; n++) code_dots<1>(xs + r * K, K, qs + n * K, ss + n, ys + r * N + n);
+    }
+  });
+  at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) {
+      const float* xr = xs + r * K;
+      float* yr = ys + r * N;
+      double squares = 0.0;
+      for (int64_t k = 0; k < K; k++) squares += double(xr[k]) * double(xr[k]);
+      const double norm = std::sqrt(squares) * (1.0 + 1e-9);  // |x|, rounded up past double's own error
+      double floor = -std::numeric_limits<double>::infinity();  // the largest lower bound of an exact value
+      for (int64_t n = 0; n < N; n++) floor = std::max(floor, double(yr[n]) - double(cs[n]) * norm);
+      for (int64_t n = 0; n < N; n++) {
+        if (!(double(yr[n]) + double(cs[n]) * norm >= floor))
+          yr[n] = -std::numeric_limits<float>::infinity();
+        else if (wide)
+          wide_dots<1, 1>(xr, K, ws16 + n * K, yr + n, 1);  // wide_product's bits for this element
+        else
+          dots<1, 1>(xr, K, ws + n * K, nullptr, yr + n, 1);  // small_rows' bits for this element
+      }
+    }
+  });
 #endif
   return output;
 }
@@ -405,7 +448,9 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
 TORCH_LIBRARY(selfspec, m) {
   m.def("small_rows(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("row_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
-  m.def("bounded_head(Tensor input, Tensor weight, Tensor proxy, Tensor bound, Tensor argmax_only) -> Tensor");
+  m.def(
+      "bounded_head(Tensor input, Tensor weight, Tensor codes, Tensor scale, Tensor bound, Tensor argmax_only) -> "
+      "Tensor");
   m.def("wide_product(Tensor input, Tensor weight) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(selfspec, CPU, m) {

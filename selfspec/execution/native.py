@@ -111,7 +111,7 @@ def _register(path: str) -> None:
         return input.new_empty(*input.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("selfspec::bounded_head")
-    def _head_shape(input, weight, proxy, bound, argmax_only):  # noqa: ARG001
+    def _head_shape(input, weight, codes, scale, bound, argmax_only):  # noqa: ARG001
         return input.new_empty(*input.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("selfspec::wide_product")
@@ -161,13 +161,12 @@ def row_attention(
     return torch.ops.selfspec.row_attention(query, key, value, mask, scale)
 
 
-def bounded_head(
-    input: torch.Tensor, weight: torch.Tensor, proxy: torch.Tensor, bound: torch.Tensor, argmax_only: torch.Tensor
-) -> torch.Tensor:
-    """The LM head's input [..., in] x weight [out, in]^T: exactly small_rows' where `argmax_only` (a bool tensor) is
-    false; where it is true, exact where an element could be its row's maximum and -inf elsewhere, found through
-    `proxy` (the weight in bfloat16) and `bound` (head.py). load() must have succeeded."""
-    return torch.ops.selfspec.bounded_head(input, weight, proxy, bound, argmax_only)
+def bounded_head(input: torch.Tensor, weight: torch.Tensor, proxy, argmax_only: torch.Tensor) -> torch.Tensor:
+    """An LM head's input [..., in] x weight [out, in]^T (float32: small_rows' product; bfloat16: wide_product's):
+    exactly that where `argmax_only` (a bool tensor) is false; where it is true, exact where an element could be its
+    row's maximum and -inf elsewhere, found through `proxy` (a head.HeadProxy of the weight). load() must have
+    succeeded."""
+    return torch.ops.selfspec.bounded_head(input, weight, proxy.codes, proxy.scale, proxy.bound, argmax_only)
 
 
 def wide_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

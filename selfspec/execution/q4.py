@@ -14,7 +14,9 @@ bfloat16 LM head (`BFloat16Head`), so a tree's row computes what a one-token ste
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from ..errors import SelfspecError
 from ..memory import into_huge_pages
 from . import native
+from .head import HeadProxy, head_proxy
 
 GROUP = 32  # weights per GGUF block, and the kernel's group size
 # block type -> bytes a block takes: a float16 scale (and a float16 minimum for Q4_1), then 16 bytes of codes
@@ -98,9 +101,31 @@ class BFloat16Head(torch.nn.Module):
         self.register_buffer(
             "bias16", None if linear.bias is None else linear.bias.detach().to(torch.bfloat16), persistent=False
         )
+        self.argmax_only: torch.Tensor | None = None  # set while a compiled step runs (`deciding`)
+
+    def add_bounds(self) -> None:
+        """Make greedy steps' int8 proxy and bounds (head.py), once: buffers, which the compiled q4 graph reads as its
+        constants (made when it is traced or loaded; the eager path never reads them)."""
+        if self.wide and not hasattr(self, "proxy_codes"):
+            proxy = head_proxy(self.weight16)
+            for name in ("codes", "scale", "bound"):
+                self.register_buffer(f"proxy_{name}", getattr(proxy, name), persistent=False)
+
+    @contextlib.contextmanager
+    def deciding(self, argmax_only: torch.Tensor) -> Iterator[None]:
+        """Inside, a forward reads `argmax_only` (a bool tensor: the compiled q4 graph's input) and, where it is true,
+        computes exactly only the logits that could be a row's maximum (head.py)."""
+        self.argmax_only = argmax_only
+        try:
+            yield
+        finally:
+            self.argmax_only = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.wide and hidden.dtype == torch.float32:
+            if self.argmax_only is not None:  # the proxy read from the buffers now (export traces them as such)
+                proxy = HeadProxy(self.proxy_codes, self.proxy_scale, self.proxy_bound)
+                return native.bounded_head(hidden, self.weight16, proxy, self.argmax_only)
             return native.wide_product(hidden, self.weight16)
         # Strides made plain: a prefill's last position (`logits_to_keep`) is a [1, 1, H] view whose batch stride is the
         # prompt's, and oneDNN's bfloat16 product took 47 ms on it against 1.8 ms on the same values laid out afresh.
