@@ -157,8 +157,9 @@ def fastest(samples: dict[int, list[float]]) -> dict[int, float]:
 def forward_time_samples(
     target: Target, paths: dict[str, ExecutionPath], cache_length: int = 512, repeats: int = 7, sizes=PROFILE_SIZES
 ) -> dict[str, dict[int, list[float]]]:
-    """Every round's seconds for one forward of n new tokens, per execution path. Rounds interleave the paths and the
-    sizes, so slow drifts of the machine hit every one alike; round 0 warms up."""
+    """Every round's seconds for one forward of n new tokens, per execution path, as a greedy step runs it
+    (ExecutionPath.argmax_only). Rounds interleave the paths and the sizes, so slow drifts of the machine hit every
+    one alike; round 0 warms up."""
     from .tree_attention import DraftTree, build_tree_inputs, compact_cache, tree_forward
 
     device = target.device
@@ -174,7 +175,8 @@ def forward_time_samples(
                 path.forward(prefix, past_key_values=caches[name])
         for round_index in range(repeats + 1):
             for name, path in paths.items():
-                with path.active():
+                # as greedy decoding runs its steps (the default): a compiled graph's LM head bounds the argmax
+                with path.active(), path.argmax_only():
                     for n in sizes:
                         chain = DraftTree(
                             tokens=torch.randint(0, vocab, (n,), generator=generator), parents=torch.arange(-1, n - 1)
