@@ -65,11 +65,33 @@ inline float total(Vec v) {
 #endif
 
 #ifdef SELFSPEC_VECTOR
-// F weight rows (features) x R input rows: out[r * ldy + f] = dot(x[r], w[f]) + bias[f]; `ahead`, if given: F more
-// weight rows (the next block) asked of memory as these stream from the cache
-template <int F, int R>
-inline void dots(const float* x, int64_t K, const float* w, const float* bias, float* out, int64_t ldy,
-                 const float* ahead = nullptr) {
+// bfloat16 weights widened in registers (exact: a bfloat16 is the upper half of a float32)
+#if defined(__AVX512F__)
+inline Vec load_wide(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#else
+inline Vec load_wide(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+inline float widen(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+inline Vec load_weights(const float* p) { return load(p); }
+inline Vec load_weights(const uint16_t* p) { return load_wide(p); }
+inline float weight_value(float w) { return w; }
+inline float weight_value(uint16_t w) { return widen(w); }
+
+// F weight rows (features) x R input rows: out[r * ldy + f] = dot(x[r], w[f]) + bias[f], the weights float32 or
+// bfloat16 (widened exactly); `ahead`, if given: F more weight rows (the next block) asked of memory as these stream
+template <int F, int R, typename T>
+inline void dots(const float* x, int64_t K, const T* w, const float* bias, float* out, int64_t ldy,
+                 const T* ahead = nullptr) {
   Vec acc[F][R];
 #pragma GCC unroll 16
   for (int f = 0; f < F; f++)
@@ -86,7 +108,7 @@ inline void dots(const float* x, int64_t K, const float* w, const float* bias, f
     }
 #pragma GCC unroll 16
     for (int f = 0; f < F; f++) {
-      const Vec weights = load(w + f * K + k);
+      const Vec weights = load_weights(w + f * K + k);
 #pragma GCC unroll 4
       for (int r = 0; r < R; r++) acc[f][r] = fma(weights, xs[r], acc[f][r]);
     }
@@ -94,7 +116,7 @@ inline void dots(const float* x, int64_t K, const float* w, const float* bias, f
   for (int f = 0; f < F; f++) {
     for (int r = 0; r < R; r++) {
       float sum = total(acc[f][r]);
-      for (int64_t k = vector_end; k < K; k++) sum += w[f * K + k] * x[r * K + k];
+      for (int64_t k = vector_end; k < K; k++) sum += weight_value(w[f * K + k]) * x[r * K + k];
       out[r * ldy + f] = bias == nullptr ? sum : sum + bias[f];
     }
   }
@@ -130,67 +152,22 @@ void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const fl
       dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
 }
 
-// bfloat16 weights widened in registers (exact: a bfloat16 is the upper half of a float32)
-#if defined(__AVX512F__)
-inline Vec load_wide(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#else
-inline Vec load_wide(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-#endif
-inline float widen(uint16_t bits) {
-  const uint32_t wide = uint32_t(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
-
-// `dots` over bfloat16 weight rows: F weight rows x R input rows -> out[r * ldy + f]
-template <int F, int R>
-inline void wide_dots(const float* x, int64_t K, const uint16_t* w, float* out, int64_t ldy) {
-  Vec acc[F][R];
-#pragma GCC unroll 16
-  for (int f = 0; f < F; f++)
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[f][r] = zero();
-  const int64_t vector_end = K - K % kLanes;
-  for (int64_t k = 0; k < vector_end; k += kLanes) {
-    Vec xs[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) xs[r] = load(x + r * K + k);
-#pragma GCC unroll 16
-    for (int f = 0; f < F; f++) {
-      const Vec weights = load_wide(w + f * K + k);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; r++) acc[f][r] = fma(weights, xs[r], acc[f][r]);
-    }
-  }
-  for (int f = 0; f < F; f++) {
-    for (int r = 0; r < R; r++) {
-      float sum = total(acc[f][r]);
-      for (int64_t k = vector_end; k < K; k++) sum += widen(w[f * K + k]) * x[r * K + k];
-      out[r * ldy + f] = sum;
-    }
-  }
-}
-
 // the features [begin, end) of every input row against bfloat16 weight rows, each block read from memory once
 void wide_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t begin,
                int64_t end) {
   int64_t n = begin;
   if (rows == 1) {
-    for (; n + kOneRowFeatures <= end; n += kOneRowFeatures) wide_dots<kOneRowFeatures, 1>(x, K, w + n * K, y + n, 1);
+    for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
+      dots<kOneRowFeatures, 1>(x, K, w + n * K, nullptr, y + n, 1);
   } else {
     for (; n + kFeatures <= end; n += kFeatures) {
       int64_t row = 0;
-      for (; row + 2 <= rows; row += 2) wide_dots<kFeatures, 2>(x + row * K, K, w + n * K, y + row * N + n, N);
-      if (row < rows) wide_dots<kFeatures, 1>(x + row * K, K, w + n * K, y + row * N + n, N);
+      for (; row + 2 <= rows; row += 2) dots<kFeatures, 2>(x + row * K, K, w + n * K, nullptr, y + row * N + n, N);
+      if (row < rows) dots<kFeatures, 1>(x + row * K, K, w + n * K, nullptr, y + row * N + n, N);
     }
   }
   for (; n < end; n++)
-    for (int64_t row = 0; row < rows; row++) wide_dots<1, 1>(x + row * K, K, w + n * K, y + row * N + n, N);
+    for (int64_t row = 0; row < rows; row++) dots<1, 1>(x + row * K, K, w + n * K, nullptr, y + row * N + n, N);
 }
 
 // int8 codes widened in registers (exact)
@@ -386,7 +363,7 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
         if (!(double(yr[n]) + double(cs[n]) * norm >= floor))
           yr[n] = -std::numeric_limits<float>::infinity();
         else if (wide)
-          wide_dots<1, 1>(xr, K, ws16 + n * K, yr + n, 1);  // wide_product's bits for this element
+          dots<1, 1>(xr, K, ws16 + n * K, nullptr, yr + n, 1);  // wide_product's bits for this element
         else
           dots<1, 1>(xr, K, ws + n * K, nullptr, yr + n, 1);  // small_rows' bits for this element
       }
