@@ -28,7 +28,7 @@ from selfspec.execution import (
     packed_linear,
 )
 from selfspec.execution import native as native_module
-from selfspec.execution.compiled import FEW_ROWS_ENV, SPLIT_SIZES
+from selfspec.execution.compiled import FEW_ROWS_ENV, SPLIT_REVISION, SPLIT_SIZES
 from selfspec.heads import create_drafter
 from selfspec.models import Target, load_target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward, trim_cache
@@ -442,6 +442,14 @@ def test_the_split_between_the_compiled_graphs_is_timed_once_and_stored(
     monkeypatch.setattr(again, "time_graphs", lambda: pytest.fail("measured again"))
     again.settle_split()
     assert again.few_limit() == few_rows
+    older = stored | {"revision": SPLIT_REVISION - 1, "few_rows": 16 - few_rows}  # stored before the kernels changed
+    (tmp_path / "few-rows.json").write_text(json.dumps(older))
+    remeasured = CompiledStep(torch.nn.Linear(1, 1), "m", dispatch=RowDispatch(4))
+    remeasured._directory, remeasured.runners = tmp_path, {"few": None, "tree": None}
+    monkeypatch.setattr(remeasured, "time_graphs", lambda: (timings, 1.1))
+    remeasured.settle_split()
+    assert remeasured.few_limit() == few_rows
+    assert json.loads((tmp_path / "few-rows.json").read_text())["revision"] == SPLIT_REVISION
 
 
 def test_a_curve_measured_on_an_older_revision_of_its_path_is_not_read(tmp_path, monkeypatch):

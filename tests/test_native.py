@@ -156,6 +156,8 @@ def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel, dt
         assert torch.equal(bounded.argmax(-1), full[:rows].argmax(-1))
         kept = torch.isfinite(bounded)
         assert torch.equal(bounded[kept], full[:rows][kept]) and bool((bounded[~kept] == float("-inf")).all())
+        alone = [native_module.bounded_head(inputs[row : row + 1], weight, head, yes) for row in range(rows)]
+        assert torch.equal(bounded, torch.cat(alone))  # the proxy's rows too: a row's logits whatever the row count
     proxy = head.codes.float() * head.scale[:, None]
     assert (F.linear(inputs, proxy).argmax(-1) != full.argmax(-1)).any(), "the proxy alone finds every argmax here"
     unbounded = HeadProxy(head.codes, head.scale, torch.zeros_like(head.bound))
@@ -166,7 +168,11 @@ def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel, dt
     gap = (F.linear(inputs.double(), proxy.double()) - full.double()).abs()
     assert bool((gap <= head.bound.double() * inputs.double().norm(dim=-1, keepdim=True)).all())
     assert head.codes.dtype == torch.int8 and head.bound.dtype == head.scale.dtype == torch.float32
-    spread = torch.randn(4000, 96).to(dtype)  # rows far apart: most logits are left out
-    bounded = native_module.bounded_head(inputs, spread, head_proxy(spread), yes)
-    assert torch.equal(bounded.argmax(-1), product(inputs, spread).argmax(-1))
+    spread = torch.randn(4003, 96).to(dtype)  # rows far apart: most logits are left out (and a last partial block)
+    spread_head = head_proxy(spread)
+    for rows in (1, 3, 16):
+        bounded = native_module.bounded_head(inputs[:rows], spread, spread_head, yes)
+        assert torch.equal(bounded.argmax(-1), product(inputs[:rows], spread).argmax(-1))
+        alone = [native_module.bounded_head(inputs[row : row + 1], spread, spread_head, yes) for row in range(rows)]
+        assert torch.equal(bounded, torch.cat(alone))
     assert torch.isfinite(bounded).sum() < bounded.numel() // 10

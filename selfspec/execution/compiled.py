@@ -74,6 +74,9 @@ SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `t
 # `few` is taken up to this much slower than `tree`: its rows equal one-token steps' bit for bit, `tree`'s do not
 FEW_PREFERENCE = 1.05
 SPLIT_FILE = "few-rows.json"  # beside the packages: the split measured between them
+# bumped when either graph's cost by rows changes without a new package: a split stored with another is measured again
+# (2: the bounded head reads its proxy once for all of a step's rows, so `few`'s rows got cheaper)
+SPLIT_REVISION = 2
 
 
 def weights_digest(model: torch.nn.Module, buffers: bool = False) -> str:
@@ -474,8 +477,9 @@ class CompiledStep:
         if not {"few", "tree"} <= set(self.runners or ()) or os.environ.get(FEW_ROWS_ENV):
             return
         path = self.directory / SPLIT_FILE
-        if path.is_file() and not remeasure:
-            self.few_rows = int(json.loads(path.read_text())["few_rows"])
+        stored = json.loads(path.read_text()) if path.is_file() and not remeasure else {}
+        if stored.get("revision", 1) == SPLIT_REVISION and "few_rows" in stored:
+            self.few_rows = int(stored["few_rows"])
             return
         (timings, _), spread, quiet = measure_until_quiet(self.time_graphs, lambda result: result[1])
         few_rows = 0
@@ -487,6 +491,7 @@ class CompiledStep:
         self.few_rows = few_rows
         if quiet:
             document = {"few_rows": few_rows, "ms_few_tree": timings, "preference": FEW_PREFERENCE}
+            document["revision"] = SPLIT_REVISION
             atomic_write_text(path, json.dumps(document, indent=1) + "\n")
         where = f"measured once, stored in {path}" if quiet else f"timings varied {spread:.1f}x: measured again later"
         self.log(f"[selfspec] steps of up to {few_rows} rows run in the compiled 'few' graph, more in 'tree' ({where})")

@@ -181,23 +181,55 @@ inline Vec load_codes(const int8_t* p) {
 }
 #endif
 
-// an int8 proxy's F rows x one input row: out[f] = scale[f] * (sum over k of code[f][k] * x[k])
-template <int F>
-inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* scale, float* out) {
-  Vec acc[F];
+// an int8 proxy's F rows x R input rows: out[r * ldy + f] = scale[f] * (sum over k of code[f][k] * x[r][k]), each
+// code widened once for the R rows; every element summed in one order whatever F and R (lanes, one horizontal sum,
+// the tail, then the scale)
+template <int F, int R>
+inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* scale, float* out, int64_t ldy) {
+  Vec acc[F][R];
 #pragma GCC unroll 16
-  for (int f = 0; f < F; f++) acc[f] = zero();
+  for (int f = 0; f < F; f++)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[f][r] = zero();
   const int64_t vector_end = K - K % kLanes;
   for (int64_t k = 0; k < vector_end; k += kLanes) {
-    const Vec xs = load(x + k);
+    Vec xs[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) xs[r] = load(x + r * K + k);
 #pragma GCC unroll 16
-    for (int f = 0; f < F; f++) acc[f] = fma(load_codes(q + f * K + k), xs, acc[f]);
+    for (int f = 0; f < F; f++) {
+      const Vec codes = load_codes(q + f * K + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) acc[f][r] = fma(codes, xs[r], acc[f][r]);
+    }
   }
   for (int f = 0; f < F; f++) {
-    float sum = total(acc[f]);
-    for (int64_t k = vector_end; k < K; k++) sum += float(q[f * K + k]) * x[k];
-    out[f] = scale[f] * sum;
+    for (int r = 0; r < R; r++) {
+      float sum = total(acc[f][r]);
+      for (int64_t k = vector_end; k < K; k++) sum += float(q[f * K + k]) * x[r * K + k];
+      out[r * ldy + f] = scale[f] * sum;
+    }
   }
+}
+
+// the proxy's features [begin, end) for every input row: each block of codes comes from memory once and stays in
+// the L1 cache while the rows pass over it two at a time, so more rows cost compute, not memory traffic
+void code_rows(const float* x, int64_t rows, int64_t K, const int8_t* q, const float* scale, float* y, int64_t N,
+               int64_t begin, int64_t end) {
+  int64_t n = begin;
+  if (rows == 1) {
+    for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
+      code_dots<kOneRowFeatures, 1>(x, K, q + n * K, scale + n, y + n, N);
+  } else {
+    for (; n + kFeatures <= end; n += kFeatures) {
+      int64_t row = 0;
+      for (; row + 2 <= rows; row += 2)
+        code_dots<kFeatures, 2>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N);
+      if (row < rows) code_dots<kFeatures, 1>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N);
+    }
+  }
+  for (; n < end; n++)
+    for (int64_t row = 0; row < rows; row++) code_dots<1, 1>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N);
 }
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -310,7 +342,7 @@ at::Tensor wide_product(const at::Tensor& input, const at::Tensor& weight) {
 // that product. Where it is true, each row's logits are exact (that product's bits) where they could be the row's
 // maximum and -inf elsewhere, so that their argmax is the full product's, bit for bit, ties to the lower index
 // included: the row is first multiplied by an int8 proxy of the weight (codes [N, K] times a scale per row: a quarter
-// of float32's bytes to stream), and `bound[n]` * |x| (the Euclidean norm) bounds how far the proxy's computed value
+// of float32's bytes to stream, once for all the rows: `code_rows`), and `bound[n]` * |x| (the Euclidean norm) bounds how far the proxy's computed value
 // can lie from the exact product's for weight row n (execution/head.py). Every logit whose upper bound reaches the
 // row's largest lower bound is computed exactly: on SmolLM2 a few of the 49,152.
 at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& codes,
@@ -342,13 +374,7 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
   float* ys = output.data_ptr<float>();
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
-    const int64_t begin = first * kBlock, end = std::min(N, last * kBlock);
-    for (int64_t r = 0; r < rows; r++) {
-      int64_t n = begin;
-      for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
-        code_dots<kOneRowFeatures>(xs + r * K, K, qs + n * K, ss + n, ys + r * N + n);
-      for (; n < end; n++) code_dots<1>(xs + r * K, K, qs + n * K, ss + n, ys + r * N + n);
-    }
+    code_rows(xs, rows, K, qs, ss, ys, N, first * kBlock, std::min(N, last * kBlock));
   });
   at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; r++) {
