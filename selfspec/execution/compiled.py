@@ -75,7 +75,7 @@ SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `t
 FEW_PREFERENCE = 1.05
 SPLIT_FILE = "few-rows.json"  # beside the packages: the split measured between them
 # bumped when either graph's cost by rows changes without a new package: a split stored with another is measured again
-# (2: the bounded head reads its proxy once for all of a step's rows, so `few`'s rows got cheaper)
+# (2: the bounded head reads its proxy once for all of a step's rows, and the graphs are timed as greedy steps run)
 SPLIT_REVISION = 2
 
 
@@ -497,8 +497,9 @@ class CompiledStep:
         self.log(f"[selfspec] steps of up to {few_rows} rows run in the compiled 'few' graph, more in 'tree' ({where})")
 
     def time_graphs(self, repeats: int = 5) -> tuple[dict[int, list[float]], float]:
-        """Time one step of each graph at each of SPLIT_SIZES rows over 512 cached positions, interleaved -> ({rows:
-        [few ms, tree ms]}: the medians, and the largest median over fastest round of any timing)."""
+        """Time one step of each graph at each of SPLIT_SIZES rows over 512 cached positions, interleaved, as greedy
+        steps run (`few`'s bounded head: execution/head.py), as the cost curves are measured -> ({rows: [few ms, tree
+        ms]}: the medians, and the largest median over fastest round of any timing)."""
         config, cached = self.model.config, 512
         keys, values = (_zero_stores(config, 1, cached + SPLIT_SIZES[-1], self.dtype) for _ in range(2))
         generator = torch.Generator().manual_seed(0)
@@ -511,7 +512,7 @@ class CompiledStep:
                     mask = causal_block_mask(cached, n, self.dtype, "cpu").view(1, 1, n, cached + n)
                     for kind in ("few", "tree"):
                         began = time.perf_counter()
-                        self.runners[kind](tokens, positions, mask, keys, values)
+                        self.runners[kind](tokens, positions, mask, keys, values, argmax_only=True)
                         if round_index:
                             samples[(n, kind)].append(time.perf_counter() - began)
         timings = {
