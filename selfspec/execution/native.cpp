@@ -342,9 +342,10 @@ at::Tensor wide_product(const at::Tensor& input, const at::Tensor& weight) {
 // that product. Where it is true, each row's logits are exact (that product's bits) where they could be the row's
 // maximum and -inf elsewhere, so that their argmax is the full product's, bit for bit, ties to the lower index
 // included: the row is first multiplied by an int8 proxy of the weight (codes [N, K] times a scale per row: a quarter
-// of float32's bytes to stream, once for all the rows: `code_rows`), and `bound[n]` * |x| (the Euclidean norm) bounds how far the proxy's computed value
-// can lie from the exact product's for weight row n (execution/head.py). Every logit whose upper bound reaches the
-// row's largest lower bound is computed exactly: on SmolLM2 a few of the 49,152.
+// of float32's bytes to stream, read once for all the rows: `code_rows`), and `bound[n]` * |x| (the Euclidean norm)
+// bounds how far the proxy's computed value can lie from the exact product's for weight row n (execution/head.py).
+// Every logit whose upper bound reaches the row's largest lower bound is computed exactly: on SmolLM2 a few of the
+// 49,152.
 at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& codes,
                         const at::Tensor& scale, const at::Tensor& bound, const at::Tensor& argmax_only) {
   const bool wide = weight.scalar_type() == at::kBFloat16;
