@@ -164,10 +164,14 @@ class AutoDrafter(Drafter):
         self.plain_step.observed(observation.tree.size, self.cost_curve)
         accepted = set(observation.accepted_path)
         proposed_by = proposers(proposal.merged for proposal in self.proposals.values())
+        # the root-only tree every source not asked observes: the step's own where it was one (a paused step), made
+        # once a step otherwise
+        root = observation.tree if observation.tree.size == 1 else None
         for name, source in self.sources.items():
             proposal, earned = self.proposals.get(name), 0
             if proposal is None:
-                tree, own_path = DraftTree.root_only(observation.tree.token_list[0]), (0,)
+                root = root or DraftTree.root_only(observation.tree.token_list[0])
+                tree, own_path = root, (0,)
             else:
                 tree, own_path = proposal.tree, own_accepted_path(proposal.tree, proposal.merged, accepted)
                 self.accepted_by_source[name] += len(own_path) - 1
