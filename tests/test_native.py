@@ -176,3 +176,33 @@ def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel, dt
         alone = [native_module.bounded_head(inputs[row : row + 1], spread, spread_head, yes) for row in range(rows)]
         assert torch.equal(bounded, torch.cat(alone))
     assert torch.isfinite(bounded).sum() < bounded.numel() // 10
+
+
+def test_the_head_proxy_is_stored_beside_the_packages_and_checked_when_read(tmp_path, monkeypatch):
+    """stored_head_proxy makes the proxy once and stores it; a later load reads it (making only the rows it checks);
+    one stored for other weights (a row changed), or a damaged file, is made again; no directory: made, not stored."""
+    from selfspec.execution import head as head_module
+
+    weight = torch.randn(1000, 64)
+    made = []
+    real = head_module.head_proxy
+    monkeypatch.setattr(head_module, "head_proxy", lambda w: made.append(w.shape[0]) or real(w))
+    first = head_module.stored_head_proxy(weight, tmp_path)
+    assert made == [1000] and (tmp_path / head_module.PROXY_FILE).is_file()
+    again = head_module.stored_head_proxy(weight, tmp_path)
+    assert made[1:] == [256] and all(torch.equal(getattr(again, n), getattr(first, n)) for n in ("codes", "bound"))
+    checked = torch.unique(torch.linspace(0, 999, 256).long())
+    row = int(checked[len(checked) // 3])
+    other = weight.clone()
+    other[row] *= 2  # a row the check reads
+    remade = head_module.stored_head_proxy(other, tmp_path)
+    assert made[-1] == 1000 and torch.equal(remade.codes, real(other).codes)
+    (tmp_path / head_module.PROXY_FILE).write_bytes(b"not a proxy")
+    assert torch.equal(head_module.stored_head_proxy(weight, tmp_path).bound, first.bound) and made[-1] == 1000
+    head_module.stored_head_proxy(weight, None)
+    assert made[-1] == 1000 and len(list(tmp_path.iterdir())) == 1
+    unchecked = weight.clone()
+    unchecked[next(r for r in range(1000) if r not in set(checked.tolist()))] += 1e-3  # a row the check skips
+    before = len(made)
+    head_module.stored_head_proxy(unchecked, tmp_path)
+    assert made[before:] == [1000]  # the bits' sum tells the weights apart

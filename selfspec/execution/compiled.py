@@ -54,7 +54,7 @@ from ..tree_attention import causal_block_mask
 from . import native
 from .attention import FLOAT64_SDPA, GROUPED_SDPA, ROW_ATTENTION
 from .calibration import measure_until_quiet
-from .head import HeadProxy, head_proxy
+from .head import HeadProxy, head_proxy, stored_head_proxy
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
 from .q4 import GROUP, BFloat16Head
@@ -226,13 +226,13 @@ class _Step(torch.nn.Module):
         return logits, tuple(output.hidden_states)
 
 
-def _takes_flag(model: torch.nn.Module) -> bool:
+def _takes_flag(model: torch.nn.Module, directory: Path | None = None) -> bool:
     """Whether `model`'s output embeddings bound their own argmax (q4's BFloat16Head on selfspec's kernel): their
-    proxy and bounds are made now if they were not."""
+    proxy and bounds are made now if they were not (read from `directory` where stored there)."""
     head = model.get_output_embeddings()
     if not (isinstance(head, BFloat16Head) and head.wide):
         return False
-    head.add_bounds()
+    head.add_bounds(directory)
     return True
 
 
@@ -436,8 +436,8 @@ class CompiledStep:
             for kind in self.graphs_needed()
         }
         bounded = {kind for kind in runners if "head_codes" in runners[kind].get_constant_fqns()}
-        head = head_proxy(self.model.get_output_embeddings().weight) if bounded else None
-        if "q4" in runners and _takes_flag(self.model):
+        head = stored_head_proxy(self.model.get_output_embeddings().weight, self.directory) if bounded else None
+        if "q4" in runners and _takes_flag(self.model, self.directory):
             bounded.add("q4")  # its head (the twin's) holds its proxy
         step = _Step(self.model, head)
         own = dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..errors import SelfspecError
 from ..memory import into_huge_pages
 from . import native
-from .head import HeadProxy, head_proxy
+from .head import HeadProxy, stored_head_proxy
 
 GROUP = 32  # weights per GGUF block, and the kernel's group size
 # block type -> bytes a block takes: a float16 scale (and a float16 minimum for Q4_1), then 16 bytes of codes
@@ -103,11 +103,12 @@ class BFloat16Head(torch.nn.Module):
         )
         self.argmax_only: torch.Tensor | None = None  # set while a compiled step runs (`deciding`)
 
-    def add_bounds(self) -> None:
+    def add_bounds(self, directory: Path | None = None) -> None:
         """Make greedy steps' int8 proxy and bounds (head.py), once: buffers, which the compiled q4 graph reads as its
-        constants (made when it is traced or loaded; the eager path never reads them)."""
+        constants (made when it is traced or loaded; the eager path never reads them). `directory`: where the proxy
+        is kept between runs (the compiled packages')."""
         if self.wide and not hasattr(self, "proxy_codes"):
-            proxy = head_proxy(self.weight16)
+            proxy = stored_head_proxy(self.weight16, directory)
             for name in ("codes", "scale", "bound"):
                 self.register_buffer(f"proxy_{name}", getattr(proxy, name), persistent=False)
 
