@@ -76,7 +76,7 @@ def stored_head_proxy(weight: torch.Tensor, directory: Path | None) -> HeadProxy
     _CHECKED_ROWS of its rows, spread over the head, equal those rows made anew (each row's codes, scale and bound
     depend on that weight row alone); else it is made again and stored."""
     path = None if directory is None else Path(directory) / PROXY_FILE
-    checksum = _bits_sum(weight)
+    checksum = None if path is None else _bits_sum(weight)  # nothing to compare or store without a directory
     if path is not None and path.is_file():
         try:
             fields = torch.load(path, weights_only=True)

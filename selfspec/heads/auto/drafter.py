@@ -170,7 +170,8 @@ class AutoDrafter(Drafter):
         for name, source in self.sources.items():
             proposal, earned = self.proposals.get(name), 0
             if proposal is None:
-                root = root or DraftTree.root_only(observation.tree.token_list[0])
+                if root is None:
+                    root = DraftTree.root_only(observation.tree.token_list[0])
                 tree, own_path = root, (0,)
             else:
                 tree, own_path = proposal.tree, own_accepted_path(proposal.tree, proposal.merged, accepted)
