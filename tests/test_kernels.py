@@ -121,8 +121,11 @@ def test_row_dispatch_sends_few_rows_to_the_stock_kernel():
 
 
 def test_the_stock_row_split_is_measured_once_per_machine_and_stored(tmp_path, monkeypatch):
+    """(Every timing counts as quiet here: the suite's other worker can make this machine look busy, and a busy
+    verdict is not stored, by design.)"""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(STOCK_ROWS_ENV)
+    monkeypatch.setattr(calibration_module, "BUSY_SPREAD", float("inf"))
     target = make_tiny_target("llama", path="fast")
     with target.execution.active():
         pass
