@@ -50,14 +50,21 @@ PATH_REVISIONS = {"compiled": 7, "fast": 3, "q4": 3, "q4-compiled": 3}
 @dataclass(frozen=True)
 class CostCurve:
     sizes: tuple[int, ...]  # tree sizes measured, ascending, starting at 1
-    relative_cost: tuple[float, ...]  # forward time over the n = 1 time
+    relative_cost: tuple[float, ...]  # forward time over the n = 1 time (shared_by > 1: what one request pays)
     source: str  # "builtin" or the profile file it came from
+    # Requests verified in each step (the batch engine's). A tree then costs its request what the step's extra time is
+    # worth in the B tokens a plain step would have emitted: relative_cost = 1 + B * (step time ratio - 1).
+    shared_by: int = 1
 
     def cost(self, n: int) -> float:
         """Relative cost of verifying n nodes, linearly interpolated (extrapolated past the last size)."""
         if type(n) is int and 0 <= n <= _TABLE_SIZE:
             return self._table[n]
         return self._interpolated(n)
+
+    def step_cost(self, n: int) -> float:
+        """The time of the step that verifies a tree of n nodes over a plain step's (cost(n) for one request)."""
+        return 1.0 + (self.cost(n) - 1.0) / self.shared_by
 
     @functools.cached_property
     def _table(self) -> tuple[float, ...]:

@@ -6,11 +6,19 @@ import pytest
 import torch
 
 from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
-from selfspec.batch.pacing import FIRST_PAUSE, WINDOW, BatchPacing, batch_curve
+from selfspec.batch.pacing import (
+    FIRST_PAUSE,
+    PRICE_REFRESH,
+    WINDOW,
+    BatchPacing,
+    BatchPrices,
+    batch_curve,
+)
 from selfspec.cost import CostCurve
 from selfspec.decoding import speculative_generate
 from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
+from selfspec.heads.paced import PlainStep
 from selfspec.sampling import SamplingConfig
 
 from .helpers import (
@@ -160,16 +168,23 @@ def test_bad_engines_and_requests_are_refused(tmp_path):
 
 
 def test_trees_are_priced_for_the_batch(tmp_path):
-    """A step of B requests pads every row to the widest tree: a tree of n nodes is priced at the curve's cost of B * n
-    tokens over B roots, and a request alone goes back to its drafter's own curve."""
+    """A step of B requests pads every row to the widest tree's width (1, 2, 4, 8 ...): a tree of n nodes makes the
+    step r times a plain step of B (estimated: the curve at B * width tokens over B roots), where a plain step emits B
+    tokens, so its request is charged 1 + B (r - 1) plain tokens: a tree pays only for B (r - 1) extra tokens. A
+    request alone goes back to its drafter's own curve."""
     curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.0, 1.2, 1.5, 2.5), source="test")
     assert batch_curve(curve, 1) == CostCurve(curve.sizes, curve.relative_cost, "test, priced for 1 requests")
     four = batch_curve(curve, 4)
-    assert (
-        four.cost(1) == 1.0
-        and four.cost(2) == pytest.approx(1.5 / 1.2)
-        and four.cost(4) == pytest.approx(2.5 / 1.2, abs=1e-4)
-    )
+    assert four.shared_by == 4 and four.cost(1) == 1.0
+    assert four.step_cost(2) == pytest.approx(1.5 / 1.2) and four.cost(2) == pytest.approx(1 + 4 * (1.5 / 1.2 - 1))
+    assert four.cost(3) == four.cost(4) == pytest.approx(1 + 4 * (2.5 / 1.2 - 1), abs=1e-3)  # 3 nodes: 4 wide
+    # one more node at 1.25x the step: worth it for one extra token in four requests' step, not for 0.9
+    assert four.best_size([0.9])[0] == 1 and four.best_size([1.1])[0] == 2
+    step = PlainStep()  # a drafter's plain-step estimate divides a batch step's time by r, not by the price
+    step.proposed()
+    step._proposed_at -= 0.05
+    step.observed(2, four)
+    assert step.seconds == pytest.approx(0.05 / (1.5 / 1.2), rel=0.05)
     target = without_eos(make_tiny_target("llama"))
     engine = BatchEngine(target, drafter_factory("ngram", target, tmp_path), slots=2)
     seen = []
@@ -180,8 +195,32 @@ def test_trees_are_priced_for_the_batch(tmp_path):
     for prompt, count in REQUESTS[:2]:
         engine.submit(BatchRequest(list(prompt), count))
     engine.run()
-    assert {source.endswith("priced for 2 requests") for rows, source in seen if rows == 2} == {True}
-    assert {source.endswith("priced for 2 requests") for rows, source in seen if rows == 1} == {False}
+    assert {"priced for 2 requests" in source for rows, source in seen if rows == 2} == {True}
+    assert {"priced for 2 requests" in source for rows, source in seen if rows == 1} == {False}
+
+
+def test_batch_prices_are_measured_once_a_width_ran_a_few_steps():
+    """A width's price moves from the curve's estimate to its measured steps (the median of the latest, over the
+    median plain step of as many requests) once it ran three times, worked out again every PRICE_REFRESH steps, and
+    never falls below a narrower width's."""
+    curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.0, 1.2, 1.5, 2.5), source="test")
+    prices = BatchPrices()
+    assert prices.curve(curve, 4) == batch_curve(curve, 4) and prices.curve(curve, 1) == batch_curve(curve, 1)
+    for _ in range(PRICE_REFRESH):
+        prices.record(4, 1, 0.020)
+    for seconds in (0.030, 0.031, 0.5):  # an outlier: the median is read
+        prices.record(4, 2, seconds)
+    measured = prices.curve(curve, 4)
+    assert measured.source.endswith("measured") and measured.shared_by == 4
+    assert measured.step_cost(2) == pytest.approx(0.031 / 0.020) and measured.cost(4) == batch_curve(curve, 4).cost(4)
+    for _ in range(PRICE_REFRESH - 3):
+        prices.record(4, 4, 0.022)  # cheaper than 2 wide: priced as 2 wide
+    assert prices.curve(curve, 4) is measured  # not worked out again yet
+    for _ in range(3):
+        prices.record(4, 4, 0.022)
+    again = prices.curve(curve, 4)
+    assert again.cost(4) == again.cost(2) == pytest.approx(1 + 4 * (0.031 / 0.020 - 1))
+    assert prices.curve(curve, 2) == batch_curve(curve, 2)  # two requests: nothing measured yet
 
 
 def test_accepted_nodes_away_from_the_chain_are_moved_in_each_row():

@@ -39,7 +39,7 @@ from ..models import Target
 from ..sampling import SamplingConfig, StepDraws
 from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
 from .cache import RaggedCache
-from .pacing import BatchPacing, batch_curve
+from .pacing import BatchPacing, BatchPrices, padded_width
 
 # The row counts the target's forwards take come from a few sizes, not from every prompt length and tree size: the fast
 # path's linears run oneDNN kernels compiled for each row count and kept in caches of 256 entries (selfspec/memory.py),
@@ -48,11 +48,6 @@ from .pacing import BatchPacing, batch_curve
 # the real ones (causal) and are dropped, and neither's logits are read.
 PREFILL_CHUNK = 128  # prompt positions a prefill forward takes at most (BatchEngine._prefill)
 PREFILL_STEP = 16  # a prefill's last chunk is padded to a multiple of this
-
-
-def padded_width(nodes: int) -> int:
-    """The width a step's rows are padded to for a widest tree of `nodes`: 1, 2, 4, 8, then multiples of 8."""
-    return 1 << (nodes - 1).bit_length() if nodes <= 8 else -(-nodes // 8) * 8
 
 
 @dataclass
@@ -126,6 +121,7 @@ class BatchEngine:
         self.running: list[_Running] = []  # row i of the cache is running[i]
         self.cache = RaggedCache(target.num_layers)
         self.pacing = BatchPacing()  # whether drafting pays for several requests at once, measured
+        self.prices = BatchPrices()  # what a tree costs in a step of several requests, measured
         self.rows_per_step: Counter[int] = Counter()  # requests verified together -> steps that did (bounded: slots)
 
     def submit(self, request: BatchRequest) -> None:
@@ -167,6 +163,7 @@ class BatchEngine:
         else:  # drafting does not pay for this many requests now: plain steps
             trees = [DraftTree.root_only(running.committed[-1]) for running in self.running]
         greedy = all(running.request.sampling.greedy for running in self.running)
+        verifying = time.perf_counter()
         with self.target.execution.argmax_only(greedy):  # a greedy row reads its argmax alone
             logits, hidden = self._forward(trees)
         paths = [
@@ -175,6 +172,7 @@ class BatchEngine:
         ]
         del logits, hidden
         self.cache.keep(paths)
+        self.prices.record(rows, padded_width(max(tree.size for tree in trees)), time.perf_counter() - verifying)
         self.rows_per_step[rows] += 1
         emitted = sum(running.accepted_lengths[-1] for running in self.running)
         drafted = any(tree.size > 1 for tree in trees)
@@ -275,15 +273,15 @@ class BatchEngine:
         self.running.append(running)
 
     def _price_trees(self) -> None:
-        """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree, so
-        a tree of n nodes costs what B * n tokens cost, over B roots alone: each drafter sizes its tree by that curve
-        (batch_curve), and by its own again when it runs alone; and its drafting time, which delays all B, is paced
-        as B times its own (share_steps)."""
+        """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree
+        (padded), so a tree of n nodes costs what B rows of that width cost, over B roots alone, estimated by the
+        curve and then measured (BatchPrices): each drafter sizes its tree by that, and by its own curve again when it
+        runs alone; and its drafting time, which delays all B, is paced as B times its own (share_steps)."""
         rows = len(self.running)
         for running in self.running:
             drafter = self.drafters[running.slot]
             own = self.own_curves[running.slot]
-            drafter.cost_curve = own if rows == 1 else batch_curve(own, rows)
+            drafter.cost_curve = own if rows == 1 else self.prices.curve(own, rows)
             share_steps(drafter, rows)
 
     def _propose(self, running: _Running) -> DraftTree:

@@ -11,6 +11,15 @@ MAX_PAUSE; a window that paid asks again at once and halves the next pause. Step
 own are plain steps too, and the next ones ask none of them (1, 2, 4 ... up to MAX_IDLE steps): asking costs a lookup
 or a merge a request for nothing.
 
+What a drafter sizes its tree by is priced for the batch (`batch_curve`, `BatchPrices`). A step of B requests pads
+every row to the widest tree's width w, so one request's tree of n nodes makes the whole step take r times a plain step
+of B, and a plain step would have emitted B tokens in that time: the tree pays only if its extra tokens are at least
+B * (r - 1), so its request is charged 1 + B * (r - 1) plain tokens for it (CostCurve.shared_by = B). Priced as r
+alone, as before, a tree at 4 requests passed with a quarter of the tokens it needed: on the 2-core Zen 4, trees of 2
+and 4 nodes at 4 requests earned 0.34 and 0.92 tokens where their steps took 1.35-1.65x a plain step of four, and
+drafting there lost 5-8% against `none`. r is first estimated from the path's curve (B * w tokens over B), then, once
+a few steps of that width ran, measured: the median of their latest times over that of B's plain steps.
+
 Speed only: a root-only tree is a step of plain decoding, so what each request emits does not change. A request alone
 (B = 1) is left to its drafter's own pacing, as `SelfSpec` runs it.
 """
@@ -18,6 +27,8 @@ Speed only: a root-only tree is a step of plain decoding, so what each request e
 from __future__ import annotations
 
 import functools
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from ..cost import CostCurve
@@ -28,6 +39,9 @@ MAX_PAUSE = 512
 MAX_IDLE = 8  # the most steps asking no drafter after a step where none drafted
 PLAIN_DECAY = 0.8  # weight of the older plain steps in a batch size's plain-step time
 MARGIN = 1.05  # a window pays only this far above the plain rate: a draw within the noise is not a gain
+PRICE_SAMPLES = 8  # the latest step times a batch price is the median of
+PRICE_MIN_SAMPLES = 3  # steps of a (rows, width) measured before their median replaces the curve's estimate
+PRICE_REFRESH = 16  # steps of B rows between two workings-out of B's prices
 
 
 @dataclass
@@ -89,10 +103,73 @@ class BatchPacing:
         size.window_s, size.window_tokens, size.window_steps = 0.0, 0, 0
 
 
+def padded_width(nodes: int) -> int:
+    """The width a step's rows are padded to for a widest tree of `nodes`: 1, 2, 4, 8, then multiples of 8."""
+    return 1 << (nodes - 1).bit_length() if nodes <= 8 else -(-nodes // 8) * 8
+
+
+def _tree_sizes(curve: CostCurve) -> tuple[int, ...]:
+    """The tree sizes a batch price is given at: every size up to 8, then multiples of 8, as far as `curve` goes."""
+    return tuple(range(1, 9)) + tuple(range(16, max(curve.sizes[-1], 8) + 1, 8))
+
+
 @functools.lru_cache(maxsize=256)
 def batch_curve(curve: CostCurve, rows: int) -> CostCurve:
-    """The cost of one request's tree of n nodes in a step of `rows` requests padded to it: `curve` at rows * n over
-    `curve` at rows (every request's root), for the sizes `curve` has."""
-    sizes = curve.sizes
-    relative = tuple(round(curve.cost(rows * n) / curve.cost(rows), 4) for n in sizes)
-    return CostCurve(sizes, relative, source=f"{curve.source}, priced for {rows} requests")
+    """The estimated price of one request's tree of n nodes in a step of `rows` requests (module docstring): with r
+    `curve` at rows * padded_width(n) over `curve` at rows (every request's root), 1 + rows * (r - 1)."""
+    if rows == 1:
+        return CostCurve(curve.sizes, curve.relative_cost, source=f"{curve.source}, priced for 1 requests")
+    sizes = _tree_sizes(curve)
+    ratios = [curve.cost(rows * padded_width(n)) / curve.cost(rows) for n in sizes]
+    return _priced(sizes, ratios, rows, f"{curve.source}, priced for {rows} requests")
+
+
+def _priced(sizes: tuple[int, ...], ratios: list[float], rows: int, source: str) -> CostCurve:
+    """A request's prices from the step time ratios r of its tree sizes, made non-decreasing: 1 + rows * (r - 1)."""
+    prices: list[float] = []
+    for ratio in ratios:
+        prices.append(max(round(1.0 + rows * (ratio - 1.0), 4), prices[-1] if prices else 1.0))
+    return CostCurve(sizes, tuple(prices), source=source, shared_by=rows)
+
+
+class BatchPrices:
+    """What a tree costs in a step of B requests, measured where it can be. `record` hears the time of each step's
+    verification (the forward, the rows' verification and commits: not the drafters'), by B and padded width;
+    `curve(own, B)` prices trees as batch_curve does, each width that ran at least PRICE_MIN_SAMPLES times at the
+    median of its latest PRICE_SAMPLES steps over that of B's plain steps instead of the curve's estimate. Worked out
+    again every PRICE_REFRESH steps of B rows, a new CostCurve only where a price moved."""
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple[int, int], deque[float]] = {}
+        self._since: dict[int, int] = {}  # B -> steps recorded since B's prices were last worked out
+        self._curves: dict[tuple[CostCurve, int], CostCurve] = {}
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        self.samples.setdefault((rows, width), deque(maxlen=PRICE_SAMPLES)).append(seconds)
+        self._since[rows] = self._since.get(rows, 0) + 1
+
+    def measured(self, rows: int, width: int) -> float | None:
+        """The median time of the latest steps of `rows` rows as wide as `width`, once there are enough of them."""
+        times = self.samples.get((rows, width))
+        return statistics.median(times) if times is not None and len(times) >= PRICE_MIN_SAMPLES else None
+
+    def curve(self, own: CostCurve, rows: int) -> CostCurve:
+        estimate = batch_curve(own, rows)
+        if rows == 1:
+            return estimate
+        key = (own, rows)
+        if key in self._curves and self._since.get(rows, 0) < PRICE_REFRESH:
+            return self._curves[key]
+        self._since[rows] = 0
+        plain = self.measured(rows, 1)
+        steps = [self.measured(rows, padded_width(n)) if plain is not None else None for n in estimate.sizes]
+        if all(step is None for step in steps[1:]):
+            self._curves[key] = estimate
+            return estimate
+        own_ratios = (own.cost(rows * padded_width(n)) / own.cost(rows) for n in estimate.sizes)
+        ratios = [guess if step is None else step / plain for step, guess in zip(steps, own_ratios, strict=True)]
+        ratios[0] = 1.0
+        priced = _priced(estimate.sizes, ratios, rows, f"{estimate.source}, measured")
+        if self._curves.get(key) != priced:
+            self._curves[key] = priced
+        return self._curves[key]

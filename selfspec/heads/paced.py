@@ -56,7 +56,8 @@ PAUSE_RULE = PauseRule()
 class PlainStep:
     """The time of one plain target step (one node verified) on this machine and path: a running mean, over verified
     steps, of the time from a tree's proposal to its observation (the target's forward, the verification, the commit)
-    scaled down to one node by the cost curve. A property of the machine, not of a request: it is kept across them."""
+    scaled down to one node by the cost curve (a batch's step by its time ratio: CostCurve.step_cost). A property of the
+    machine, not of a request: it is kept across them."""
 
     DECAY = 0.8  # weight of the older steps
 
@@ -72,7 +73,7 @@ class PlainStep:
         """The tree handed over last (of `tree_size` nodes) was verified and committed."""
         if self._proposed_at is None:
             return
-        sample = (time.perf_counter() - self._proposed_at) / curve.cost(tree_size)
+        sample = (time.perf_counter() - self._proposed_at) / curve.step_cost(tree_size)
         self.seconds = sample if self.seconds is None else self.DECAY * self.seconds + (1 - self.DECAY) * sample
         self._proposed_at = None
 
