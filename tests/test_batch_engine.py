@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
+from selfspec.batch.engine import PREFILL_CHUNK
 from selfspec.batch.pacing import (
     FIRST_PAUSE,
     PRICE_REFRESH,
@@ -185,18 +186,24 @@ def test_trees_are_priced_for_the_batch(tmp_path):
     step._proposed_at -= 0.05
     step.observed(2, four)
     assert step.seconds == pytest.approx(0.05 / (1.5 / 1.2), rel=0.05)
+    alone_beside_three = batch_curve(curve, 1, waiting=3)  # three prompts being prefilled wait for its steps too
+    assert alone_beside_three.shared_by == 4 and alone_beside_three.cost(3) == pytest.approx(1 + 4 * (1.2 - 1))
     target = without_eos(make_tiny_target("llama"))
     engine = BatchEngine(target, drafter_factory("ngram", target, tmp_path), slots=2)
     seen = []
     propose = engine._propose
     engine._propose = lambda running: (
-        seen.append((len(engine.running), engine.drafters[running.slot].cost_curve.source)) or propose(running)
+        seen.append((len(engine.running), engine.drafters[running.slot].cost_curve)) or propose(running)
     )
-    for prompt, count in REQUESTS[:2]:
+    long_prompt = [(5 * k) % 90 + 1 for k in range(PREFILL_CHUNK + 60)]  # prefilled over two steps of the others
+    for prompt, count in [*REQUESTS[:2], (long_prompt, 4)]:
         engine.submit(BatchRequest(list(prompt), count))
     engine.run()
-    assert {"priced for 2 requests" in source for rows, source in seen if rows == 2} == {True}
-    assert {"priced for 2 requests" in source for rows, source in seen if rows == 1} == {False}
+    assert {"priced for 2 requests" in curve.source for rows, curve in seen if rows == 2} == {True}
+    assert {curve.shared_by for rows, curve in seen if rows == 2} == {2}
+    beside = [curve for rows, curve in seen if rows == 1 and curve.shared_by == 2]
+    assert beside and {"priced for 1 requests and 1 prefilling" in curve.source for curve in beside} == {True}
+    assert {"priced for" in curve.source for rows, curve in seen if rows == 1 and curve.shared_by == 1} == {False}
 
 
 def test_batch_prices_are_measured_once_a_width_ran_a_few_steps():
@@ -291,7 +298,6 @@ def test_what_the_engine_keeps_between_requests_stays_bounded(monkeypatch):
 def test_a_long_prompt_is_prefilled_in_chunks_and_decodes_as_alone(name, tmp_path):
     """A prefill forwards PREFILL_CHUNK positions at a time (its kernels and logits stay a chunk's), its keys, values
     and the drafter's hidden states those of the whole prompt: the reply is the one the request gets alone."""
-    from selfspec.batch.engine import PREFILL_CHUNK
 
     target = without_eos(make_tiny_target("llama", path="fast", max_position_embeddings=1024))
     make = drafter_factory(name, target, tmp_path)
@@ -315,7 +321,6 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_decodes_as_alone(name, tmp_pat
 def test_a_long_prefill_is_spread_over_the_steps_of_those_decoding(tmp_path):
     """A request that joins with a long prompt is prefilled a chunk a step while the running one keeps decoding (its
     steps come between the chunks, not after them all), and both replies are those each gets alone."""
-    from selfspec.batch.engine import PREFILL_CHUNK
 
     target = without_eos(make_tiny_target("llama", path="fast", max_position_embeddings=1024))
     make = drafter_factory("ngram", target, tmp_path)

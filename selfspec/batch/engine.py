@@ -273,16 +273,18 @@ class BatchEngine:
         self.running.append(running)
 
     def _price_trees(self) -> None:
-        """Size this step's trees for the batch: with B requests a step forwards B rows as wide as the widest tree
-        (padded), so a tree of n nodes costs what B rows of that width cost, over B roots alone, estimated by the
-        curve and then measured (BatchPrices): each drafter sizes its tree by that, and by its own curve again when it
-        runs alone; and its drafting time, which delays all B, is paced as B times its own (share_steps)."""
-        rows = len(self.running)
+        """Size this step's trees for the batch (pacing.py): with B requests a step forwards B rows as wide as the
+        widest tree (padded), so a tree of n nodes makes the step take r times a plain step of B rows (estimated by
+        the curve, then measured: BatchPrices), time that every request decoding or being prefilled waits for: each
+        drafter sizes its tree by that price, and by its own curve again when its request is the only one admitted;
+        and its drafting time, which delays them all, is paced as that many times its own (share_steps)."""
+        rows, waiting = len(self.running), len(self.prefilling)
         for running in self.running:
             drafter = self.drafters[running.slot]
             own = self.own_curves[running.slot]
-            drafter.cost_curve = own if rows == 1 else self.prices.curve(own, rows)
-            share_steps(drafter, rows)
+            alone = rows == 1 and waiting == 0
+            drafter.cost_curve = own if alone else self.prices.curve(own, rows, waiting)
+            share_steps(drafter, rows + waiting)
 
     def _propose(self, running: _Running) -> DraftTree:
         drafter = self.drafters[running.slot]

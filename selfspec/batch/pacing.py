@@ -18,7 +18,10 @@ B * (r - 1), so its request is charged 1 + B * (r - 1) plain tokens for it (Cost
 alone, as before, a tree at 4 requests passed with a quarter of the tokens it needed: on the 2-core Zen 4, trees of 2
 and 4 nodes at 4 requests earned 0.34 and 0.92 tokens where their steps took 1.35-1.65x a plain step of four, and
 drafting there lost 5-8% against `none`. r is first estimated from the path's curve (B * w tokens over B), then, once
-a few steps of that width ran, measured: the median of their latest times over that of B's plain steps.
+a few steps of that width ran, measured: the median of their latest times over that of B's plain steps. Requests
+whose prompts are being prefilled beside the step wait for it too (their next chunk comes after it), so they count
+among the B a tree is charged for: a request decoding alone while three prompts were prefilled had drafted as if alone,
+and held their first tokens back (the `auto` server's time to first token at 4 requests was 25-30% over `none`'s).
 
 Speed only: a root-only tree is a step of plain decoding, so what each request emits does not change. A request alone
 (B = 1) is left to its drafter's own pacing, as `SelfSpec` runs it.
@@ -114,14 +117,19 @@ def _tree_sizes(curve: CostCurve) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def batch_curve(curve: CostCurve, rows: int) -> CostCurve:
-    """The estimated price of one request's tree of n nodes in a step of `rows` requests (module docstring): with r
-    `curve` at rows * padded_width(n) over `curve` at rows (every request's root), 1 + rows * (r - 1)."""
-    if rows == 1:
+def batch_curve(curve: CostCurve, rows: int, waiting: int = 0) -> CostCurve:
+    """The estimated price of one request's tree of n nodes in a step of `rows` decoding requests while `waiting` more
+    are being prefilled (module docstring): with r `curve` at rows * padded_width(n) over `curve` at rows (every
+    request's root), 1 + (rows + waiting) * (r - 1). A request alone with none waiting: `curve` as it is."""
+    if rows == 1 and waiting == 0:
         return CostCurve(curve.sizes, curve.relative_cost, source=f"{curve.source}, priced for 1 requests")
     sizes = _tree_sizes(curve)
     ratios = [curve.cost(rows * padded_width(n)) / curve.cost(rows) for n in sizes]
-    return _priced(sizes, ratios, rows, f"{curve.source}, priced for {rows} requests")
+    return _priced(sizes, ratios, rows + waiting, f"{curve.source}, priced for {rows} requests" + _waiting(waiting))
+
+
+def _waiting(waiting: int) -> str:
+    return f" and {waiting} prefilling" if waiting else ""
 
 
 def _priced(sizes: tuple[int, ...], ratios: list[float], rows: int, source: str) -> CostCurve:
@@ -153,11 +161,11 @@ class BatchPrices:
         times = self.samples.get((rows, width))
         return statistics.median(times) if times is not None and len(times) >= PRICE_MIN_SAMPLES else None
 
-    def curve(self, own: CostCurve, rows: int) -> CostCurve:
-        estimate = batch_curve(own, rows)
-        if rows == 1:
+    def curve(self, own: CostCurve, rows: int, waiting: int = 0) -> CostCurve:
+        estimate = batch_curve(own, rows, waiting)
+        if rows == 1 and waiting == 0:
             return estimate
-        key = (own, rows)
+        key = (own, rows, waiting)
         if key in self._curves and self._since.get(rows, 0) < PRICE_REFRESH:
             return self._curves[key]
         self._since[rows] = 0
@@ -169,7 +177,7 @@ class BatchPrices:
         own_ratios = (own.cost(rows * padded_width(n)) / own.cost(rows) for n in estimate.sizes)
         ratios = [guess if step is None else step / plain for step, guess in zip(steps, own_ratios, strict=True)]
         ratios[0] = 1.0
-        priced = _priced(estimate.sizes, ratios, rows, f"{estimate.source}, measured")
+        priced = _priced(estimate.sizes, ratios, rows + waiting, f"{estimate.source}, measured")
         if self._curves.get(key) != priced:
             self._curves[key] = priced
         return self._curves[key]
