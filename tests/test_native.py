@@ -26,11 +26,22 @@ def kernel():
 
 @pytest.mark.parametrize(
     "rows, out_features, in_features, bias",
-    [(1, 576, 576, False), (2, 1536, 576, True), (3, 577, 100, True), (4, 7, 33, False), (9, 64, 80, True)],
+    [
+        (1, 576, 576, False),
+        (2, 1536, 576, True),
+        (3, 577, 100, True),
+        (4, 7, 33, False),
+        (5, 64, 80, False),
+        (6, 35, 576, True),
+        (7, 40, 1536, False),
+        (9, 64, 80, True),
+        (16, 577, 100, True),
+    ],
 )
 def test_the_small_row_product_equals_a_float64_reference_row_by_row(kernel, rows, out_features, in_features, bias):
-    """Vector and scalar tails of the input, a last block of fewer output features, a bias or none, 1-9 rows: within
-    float32 rounding of float64's product, and every row bit for bit what a one-row call gives."""
+    """Vector and scalar tails of the input, a last block of fewer output features, a bias or none, 1-16 rows (one
+    pass, or passes of four and the rest): within float32 rounding of float64's product, and every row bit for bit
+    what a one-row call gives."""
     torch.manual_seed(rows)
     x, weight = torch.randn(1, rows, in_features), torch.randn(out_features, in_features)
     b = torch.randn(out_features) if bias else None

@@ -75,8 +75,9 @@ SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `t
 FEW_PREFERENCE = 1.05
 SPLIT_FILE = "few-rows.json"  # beside the packages: the split measured between them
 # bumped when either graph's cost by rows changes without a new package: a split stored with another is measured again
-# (2: the bounded head reads its proxy once for all of a step's rows, and the graphs are timed as greedy steps run)
-SPLIT_REVISION = 2
+# (2: the bounded head reads its proxy once for all of a step's rows, and the graphs are timed as greedy steps run;
+# 3: the small-row kernel asks for weight lines ahead, and takes up to four rows in one pass)
+SPLIT_REVISION = 3
 
 
 def weights_digest(model: torch.nn.Module, buffers: bool = False) -> str:

@@ -4,12 +4,13 @@
 // [out, in] stored as it is (no packed copy). The fast path's linear layers call it below their row split and the
 // compiled `few` graph calls it for every product. At one to a few rows a product is bound by how fast the weight
 // streams from memory: threads split the output features, and each block of weight rows is read from memory once (one
-// input row meets eight weight rows at a time; more rows pass over a block, kept in the L1 cache, two at a time). On
-// the 2-core EPYC all of SmolLM2's products at 4 / 8 / 16 rows took 0.95-1.00 / 0.97-1.02 / 1.08-1.16x oneDNN's
-// packed kernel that way, against 1.01-1.12 / 1.21 / 1.53-1.71x when every four rows streamed the weights again (two
-// runs each, 2026-11-27). Every output element is computed the same way whatever the row count or the block it falls
-// in (lane-wise sums over the vector part of the input in order, one horizontal sum, the scalar tail, then the bias),
-// so a row's result does not depend on how many rows one call has.
+// input row meets eight weight rows at a time, two rows eight, three or four rows four, all in one pass; more rows
+// pass over a block of four, kept in the L1 cache, four at a time), with the lines kFarAhead bytes further on asked
+// for as each streams. On the 2-core EPYC all of SmolLM2's products at 4 / 8 / 16 rows took 0.95-1.00 / 0.97-1.02 /
+// 1.08-1.16x oneDNN's packed kernel with blocks read once, against 1.01-1.12 / 1.21 / 1.53-1.71x when every four rows
+// streamed the weights again (two runs each, 2026-11-27). Every output element is computed the same way whatever the
+// row count or the block it falls in (lane-wise sums over the vector part of the input in order, one horizontal sum,
+// the scalar tail, then the bias), so a row's result does not depend on how many rows one call has.
 //
 // selfspec::row_attention(query, key, value, mask, scale): softmax(q k^T * scale + mask) v in float32 for grouped
 // key/value heads, each query row computed on its own in one fixed order: its scores key by key, their maximum, then
@@ -33,6 +34,12 @@ constexpr int64_t kBlock = 8;      // output features a task computes
 constexpr int64_t kMaxRows = 16;   // above this many rows: ATen's own product
 constexpr int64_t kGrainBlocks = 4;  // the fewest blocks a thread takes
 constexpr int kOneRowFeatures = 8;  // weight rows one input row meets at once
+// How far ahead in a weight's memory the products ask for lines (into L2) as they stream it. Without it, the time a
+// product of 3-4 rows spends computing on lines that have arrived added to the time memory took to deliver them,
+// instead of overlapping it: all of SmolLM2's products took 19.7 ms at 4 rows and 18.7 at 1 on the 2-core Zen 4
+// (memory-bound, 29 GB/s), against 13.1-13.4 and 16.0 with lines asked 32-64 KB ahead (12-16 KB: no gain; a probe,
+// 2026-11-28).
+constexpr int64_t kFarAhead = 48 * 1024;
 
 #if defined(__AVX512F__)
 #define SELFSPEC_VECTOR 1
@@ -46,6 +53,7 @@ inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 constexpr int kFeatures = 8;  // weight rows two input rows meet at once: 16 accumulators of the 32 registers
+constexpr int kQuadFeatures = 4;  // weight rows three or four input rows meet at once: up to 16 accumulators
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SELFSPEC_VECTOR 1
 using Vec = __m256;
@@ -57,6 +65,7 @@ inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 constexpr int kFeatures = 4;  // weight rows two input rows meet at once: 8 accumulators of the 16 registers
+constexpr int kQuadFeatures = 2;  // weight rows three or four input rows meet at once: up to 8 accumulators
 inline float total(Vec v) {
   __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   low = _mm_add_ps(low, _mm_movehl_ps(low, low));
@@ -88,10 +97,11 @@ inline float weight_value(float w) { return w; }
 inline float weight_value(uint16_t w) { return widen(w); }
 
 // F weight rows (features) x R input rows: out[r * ldy + f] = dot(x[r], w[f]) + bias[f], the weights float32 or
-// bfloat16 (widened exactly); `ahead`, if given: F more weight rows (the next block) asked of memory as these stream
+// bfloat16 (widened exactly); `ahead`, if given: F more weight rows (the next block) asked of memory as these stream;
+// `far`: each weight line read is followed by a request, into L2, for the line kFarAhead bytes further on
 template <int F, int R, typename T>
 inline void dots(const float* x, int64_t K, const T* w, const float* bias, float* out, int64_t ldy,
-                 const T* ahead = nullptr) {
+                 const T* ahead = nullptr, bool far = false) {
   Vec acc[F][R];
 #pragma GCC unroll 16
   for (int f = 0; f < F; f++)
@@ -105,6 +115,10 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
     if (ahead != nullptr) {
 #pragma GCC unroll 16
       for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(ahead + f * K + k), _MM_HINT_T0);
+    }
+    if (far) {
+#pragma GCC unroll 16
+      for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(w + f * K + k) + kFarAhead, _MM_HINT_T1);
     }
 #pragma GCC unroll 16
     for (int f = 0; f < F; f++) {
@@ -122,30 +136,53 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
   }
 }
 
+constexpr const float* kNoBlock = nullptr;  // no next block to ask for (dots' `ahead`)
+
 // the features [begin, end) of one input row: kOneRowFeatures weight rows read at once
 void one_row(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t begin, int64_t end) {
   int64_t n = begin;
   for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
-    dots<kOneRowFeatures, 1>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1);
+    dots<kOneRowFeatures, 1>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1, kNoBlock, true);
   for (; n < end; n++) dots<1, 1>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1);
 }
 
-// the features [begin, end) of every input row: each block of kFeatures weight rows comes from memory once and stays
-// in the L1 cache while the input rows pass over it two at a time, so more rows cost compute, not memory traffic; the
-// last pass over a block asks for the next one, so that memory keeps streaming while the cached block is computed on
-// (all of SmolLM2's products at 4 rows: 0.93-0.96x the time without, at one and two rows level; a probe, 2026-11-27).
-// At one row the hardware's own prefetching does better: asking there made the products 1.10x slower.
+// rows [0, R) of x over the features [begin, end) in one pass: each block of F weight rows read once
+template <int F, int R>
+void one_pass(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t begin,
+              int64_t end) {
+  int64_t n = begin;
+  for (; n + F <= end; n += F)
+    dots<F, R>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N, kNoBlock, true);
+  for (; n < end; n++)
+    for (int r = 0; r < R; r++)
+      dots<1, 1>(x + r * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + r * N + n, N);
+}
+
+// the features [begin, end) of every input row, each block of weight rows read from memory once. Up to four rows
+// meet a block in one pass. More rows pass over a block of kQuadFeatures weight rows four at a time, the first pass
+// reading it from memory, the others from the L1 cache; the last pass asks for the next block, so that memory keeps
+// streaming while the cached block is computed on.
 void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
                int64_t begin, int64_t end) {
+  if (rows == 2) return one_pass<kFeatures, 2>(x, K, w, bias, y, N, begin, end);
+  if (rows == 3) return one_pass<kQuadFeatures, 3>(x, K, w, bias, y, N, begin, end);
+  if (rows == 4) return one_pass<kQuadFeatures, 4>(x, K, w, bias, y, N, begin, end);
+  constexpr int F = kQuadFeatures;
   int64_t n = begin;
-  for (; n + kFeatures <= end; n += kFeatures) {
+  for (; n + F <= end; n += F) {
     const float* block = w + n * K;
     const float* block_bias = bias == nullptr ? nullptr : bias + n;
-    const float* next = n + 2 * kFeatures <= end ? block + kFeatures * K : nullptr;
+    const float* next = n + 2 * F <= end ? block + F * K : nullptr;
     int64_t row = 0;
-    for (; row + 2 <= rows; row += 2)
-      dots<kFeatures, 2>(x + row * K, K, block, block_bias, y + row * N + n, N, row + 2 >= rows ? next : nullptr);
-    if (row < rows) dots<kFeatures, 1>(x + row * K, K, block, block_bias, y + row * N + n, N, next);
+    for (; row + 4 <= rows; row += 4) {
+      const float* ahead = row + 4 >= rows ? next : nullptr;
+      dots<F, 4>(x + row * K, K, block, block_bias, y + row * N + n, N, ahead, row == 0);
+    }
+    const float* xr = x + row * K;
+    float* yr = y + row * N + n;
+    if (rows - row == 3) dots<F, 3>(xr, K, block, block_bias, yr, N, next);
+    if (rows - row == 2) dots<F, 2>(xr, K, block, block_bias, yr, N, next);
+    if (rows - row == 1) dots<F, 1>(xr, K, block, block_bias, yr, N, next);
   }
   for (; n < end; n++)
     for (int64_t row = 0; row < rows; row++)
@@ -185,7 +222,8 @@ inline Vec load_codes(const int8_t* p) {
 // code widened once for the R rows; every element summed in one order whatever F and R (lanes, one horizontal sum,
 // the tail, then the scale)
 template <int F, int R>
-inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* scale, float* out, int64_t ldy) {
+inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* scale, float* out, int64_t ldy,
+                      bool far = false) {
   Vec acc[F][R];
 #pragma GCC unroll 16
   for (int f = 0; f < F; f++)
@@ -196,6 +234,10 @@ inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* s
     Vec xs[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) xs[r] = load(x + r * K + k);
+    if (far && k % 64 == 0) {  // a line holds 64 codes
+#pragma GCC unroll 16
+      for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(q + f * K + k) + kFarAhead, _MM_HINT_T1);
+    }
 #pragma GCC unroll 16
     for (int f = 0; f < F; f++) {
       const Vec codes = load_codes(q + f * K + k);
@@ -212,20 +254,21 @@ inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* s
   }
 }
 
-// the proxy's features [begin, end) for every input row: each block of codes comes from memory once and stays in
-// the L1 cache while the rows pass over it two at a time, so more rows cost compute, not memory traffic
+// the proxy's features [begin, end) for every input row: each block of codes comes from memory once (its lines
+// asked for kFarAhead bytes ahead) and stays in the L1 cache while the rows pass over it two at a time, so more rows
+// cost compute, not memory traffic
 void code_rows(const float* x, int64_t rows, int64_t K, const int8_t* q, const float* scale, float* y, int64_t N,
                int64_t begin, int64_t end) {
   int64_t n = begin;
   if (rows == 1) {
     for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
-      code_dots<kOneRowFeatures, 1>(x, K, q + n * K, scale + n, y + n, N);
+      code_dots<kOneRowFeatures, 1>(x, K, q + n * K, scale + n, y + n, N, true);
   } else {
     for (; n + kFeatures <= end; n += kFeatures) {
       int64_t row = 0;
       for (; row + 2 <= rows; row += 2)
-        code_dots<kFeatures, 2>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N);
-      if (row < rows) code_dots<kFeatures, 1>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N);
+        code_dots<kFeatures, 2>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N, row == 0);
+      if (row < rows) code_dots<kFeatures, 1>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N, row == 0);
     }
   }
   for (; n < end; n++)
