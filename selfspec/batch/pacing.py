@@ -150,7 +150,7 @@ class BatchPrices:
     def __init__(self) -> None:
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self._since: dict[int, int] = {}  # B -> steps recorded since B's prices were last worked out
-        self._curves: dict[tuple[CostCurve, int], CostCurve] = {}
+        self._curves: dict[tuple[CostCurve, int, int], CostCurve] = {}  # (own curve, rows, waiting) -> prices
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.samples.setdefault((rows, width), deque(maxlen=PRICE_SAMPLES)).append(seconds)

@@ -37,8 +37,8 @@ constexpr int kOneRowFeatures = 8;  // weight rows one input row meets at once
 // How far ahead in a weight's memory the products ask for lines (into L2) as they stream it. Without it, the time a
 // product of 3-4 rows spends computing on lines that have arrived added to the time memory took to deliver them,
 // instead of overlapping it: all of SmolLM2's products took 19.7 ms at 4 rows and 18.7 at 1 on the 2-core Zen 4
-// (memory-bound, 29 GB/s), against 13.1-13.4 and 16.0 with lines asked 32-64 KB ahead (12-16 KB: no gain; a probe,
-// 2026-11-28).
+// (memory-bound, 29 GB/s), against 13.1-13.4 and 16.0 with lines asked 32-64 KB ahead into L2 (asked 4-18 KB ahead
+// into L1: 1-5% faster; a probe, 2026-11-28).
 constexpr int64_t kFarAhead = 48 * 1024;
 
 #if defined(__AVX512F__)
