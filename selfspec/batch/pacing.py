@@ -16,12 +16,13 @@ every row to the widest tree's width w, so one request's tree of n nodes makes t
 of B, and a plain step would have emitted B tokens in that time: the tree pays only if its extra tokens are at least
 B * (r - 1), so its request is charged 1 + B * (r - 1) plain tokens for it (CostCurve.shared_by = B). Priced as r
 alone, as before, a tree at 4 requests passed with a quarter of the tokens it needed: on the 2-core Zen 4, trees of 2
-and 4 nodes at 4 requests earned 0.34 and 0.92 tokens where their steps took 1.35-1.65x a plain step of four, and
-drafting there lost 5-8% against `none`. r is first estimated from the path's curve (B * w tokens over B), then, once
-a few steps of that width ran, measured: the median of their latest times over that of B's plain steps. Requests
-whose prompts are being prefilled beside the step wait for it too (their next chunk comes after it), so they count
-among the B a tree is charged for: a request decoding alone while three prompts were prefilled had drafted as if alone,
-and held their first tokens back (the `auto` server's time to first token at 4 requests was 25-30% over `none`'s).
+and 4 nodes at 4 requests earned 0.34 and 0.92 tokens where their steps took 1.5-1.7x a plain step of four (widths 2
+and 4 together), and drafting there lost 5-8% against `none`. r is first estimated from the path's curve (B * w
+tokens over B), then, once a few steps of that width ran, measured: the median of their latest times over that of B's
+plain steps. Requests whose prompts are being prefilled beside the step wait for it too (their next chunk comes after
+it), so they count among the B a tree is charged for: a request decoding alone while three prompts were prefilled had
+drafted as if alone, and held their first tokens back (the `auto` server's time to first token at 4 requests was
+25-30% over `none`'s).
 
 Speed only: a root-only tree is a step of plain decoding, so what each request emits does not change. A request alone
 (B = 1) is left to its drafter's own pacing, as `SelfSpec` runs it.
