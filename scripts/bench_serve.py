@@ -1,9 +1,11 @@
 """Load benchmark of `selfspec serve`: throughput, time to first token and inter-token latency at several concurrency
 levels, with speculation on (a drafter) and off (`none`), the two servers taking turns within each level (its
-prompts in parts of max(concurrency, 4), each part sent to both, the order alternating) so that drifts of the machine
-hit both.
+prompts in parts, each part sent to both, the order alternating) so that drifts of the machine hit both. At
+concurrency c, c clients each send their next request as soon as their last one ends (a sustained load, as the
+servers' users make it), over parts of 4c requests (at most half the level's, so that the servers alternate): the
+time the last requests of a part take to drain, with fewer than c in flight, is a small share of the part.
 
-    python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 8 --max-tokens 128
+    python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 32 --max-tokens 128
 
 Each server is a `selfspec serve` process of its own, as a user runs it (decoding on its main thread: a second server's
 decoding thread in one process would slow both, Scheduler.work_here), on a free loopback port, driven by client
@@ -104,10 +106,10 @@ def run_requests(url: str, prompts: list[str], concurrency: int, max_tokens: int
 
 
 def run_level(urls: dict[str, str], prompts: list[str], concurrency: int, max_tokens: int, flip: bool) -> list[dict]:
-    """One concurrency level on every server (name -> url): the prompts in parts of max(concurrency, 4), each part
-    sent to the servers in turn, the order alternating part by part (`flip`: the other server first), so that the
-    machine's drifts over the level (its memory speed moves by the hour here) fall on both -> a row per server."""
-    part_size = max(concurrency, 4)
+    """One concurrency level on every server (name -> url): the prompts in parts (part_size), each part sent to the
+    servers in turn, the order alternating part by part (`flip`: the other server first), so that the machine's
+    drifts over the level (its memory speed moves by the minute here) fall on both -> a row per server."""
+    part_size = part_size_for(concurrency, len(prompts))
     parts = [prompts[start : start + part_size] for start in range(0, len(prompts), part_size)]
     collected = {name: ([], 0.0) for name in urls}
     for index, part in enumerate(parts):
@@ -116,6 +118,12 @@ def run_level(urls: dict[str, str], prompts: list[str], concurrency: int, max_to
             results, wall = run_requests(urls[name], part, concurrency, max_tokens)
             collected[name] = (collected[name][0] + results, collected[name][1] + wall)
     return [{"server": name, **summarize(results, wall, concurrency)} for name, (results, wall) in collected.items()]
+
+
+def part_size_for(concurrency: int, requests: int) -> int:
+    """Requests in a part: 4 per client (each client's requests back to back, the part's last ones draining with
+    fewer in flight), at most half the level's so that the servers take turns, at least one per client."""
+    return max(concurrency, min(4 * concurrency, requests // 2))
 
 
 def summarize(results: list[dict], wall: float, concurrency: int) -> dict:
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", default="auto")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--concurrency", default="1,2,4,8")
-    parser.add_argument("--requests", type=int, default=8, help="requests per level and server")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level and server")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default="runs/bench-serve")
     args = parser.parse_args(argv)

@@ -45,8 +45,10 @@ _TABLE_SIZE = 256  # tree sizes (and batch rows) whose cost a curve keeps worked
 # as far as it keeps within 5% of `tree` (steps of 4-15 tokens got cheaper here); compiled 7 and q4 3: the bounded LM
 # head reads its proxy once for all of a step's rows (a greedy step of 4 rows: 2.7 ms of head, not 7.2); compiled 8,
 # fast 4, q4 and q4-compiled 4: the small-row kernel and the head's proxy ask for lines ahead as they stream (the
-# products of 1 / 4 / 8 rows 10 / 23 / 23% faster, the head's proxy at 1 / 4 rows 2.6 / 3.8 -> 1.4 / 2.0 ms a step).
-PATH_REVISIONS = {"compiled": 8, "fast": 4, "q4": 4, "q4-compiled": 4}
+# products of 1 / 4 / 8 rows 10 / 23 / 23% faster, the head's proxy at 1 / 4 rows 2.6 / 3.8 -> 1.4 / 2.0 ms a step);
+# compiled 9, q4 and q4-compiled 5: the row attention takes the rows sharing a key/value head together and its
+# exponentials a vector at a time (30 layers at 1 / 8 rows 1.1 / 5.9 -> 0.6 / 3.0 ms); the head's proxy: 4 rows a pass.
+PATH_REVISIONS = {"compiled": 9, "fast": 4, "q4": 5, "q4-compiled": 5}
 
 
 @dataclass(frozen=True)

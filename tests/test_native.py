@@ -110,14 +110,19 @@ def _tree_mask(cached: int, rows: int, hidden: tuple[int, int] | None = None) ->
     return mask
 
 
-@pytest.mark.parametrize("cached, rows, head_dim", [(40, 1, 64), (300, 7, 64), (33, 5, 20)])
-def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(kernel, cached, rows, head_dim):
-    """Against float64 SDPA (grouped heads, an additive tree mask or none: causal) to float32 rounding; and each row
-    bit for bit what it gives alone over only the keys it sees, from key/value views of a larger storage (a cache)."""
+@pytest.mark.parametrize(
+    "cached, rows, head_dim, batch", [(40, 1, 64, 1), (300, 7, 64, 1), (33, 5, 20, 1), (70, 3, 128, 2), (17, 2, 72, 2)]
+)
+def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(kernel, cached, rows, head_dim, batch):
+    """Against float64 SDPA (grouped heads, an additive tree mask, one per sequence, or none: causal) to float32
+    rounding; and each row bit for bit what it gives alone over only the keys it sees (so at other places among them),
+    from key/value views of a larger storage (a cache)."""
     torch.manual_seed(cached)
-    query = torch.randn(1, 9, rows, head_dim)
-    keys, values = (torch.randn(1, 3, cached + rows + 50, head_dim)[:, :, : cached + rows] for _ in range(2))
-    mask = _tree_mask(cached, rows, (rows - 1, 0) if rows > 2 else None)
+    query = torch.randn(batch, 9, rows, head_dim)
+    keys, values = (torch.randn(batch, 3, cached + rows + 50, head_dim)[:, :, : cached + rows] for _ in range(2))
+    mask = _tree_mask(cached, rows, (rows - 1, 0) if rows > 2 else None).repeat(batch, 1, 1, 1)
+    if batch > 1:  # the second sequence sees fewer keys (a shorter one in a ragged batch)
+        mask[1, :, :, : cached // 2] = torch.finfo(torch.float32).min
     scale = head_dim**-0.5
     output = native_module.row_attention(query, keys, values, mask, scale)
     as_double = [tensor.double() for tensor in (query, keys, values, mask)]
@@ -128,12 +133,17 @@ def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(k
         *as_double[:3], attn_mask=_tree_mask(cached, rows).double(), scale=scale, enable_gqa=True
     )
     torch.testing.assert_close(causal.double(), expected, atol=2e-6, rtol=1e-5)
-    for row in range(rows):
-        seen = (mask[0, 0, row] == 0).nonzero().flatten()
-        alone = native_module.row_attention(
-            query[:, :, row : row + 1], keys[:, :, seen], values[:, :, seen], torch.zeros(1, 1, 1, len(seen)), scale
-        )
-        assert torch.equal(alone, output[:, :, row : row + 1]), row
+    for sequence in range(batch):
+        for row in range(rows):
+            seen = (mask[sequence, 0, row] == 0).nonzero().flatten()
+            alone = native_module.row_attention(
+                query[sequence : sequence + 1, :, row : row + 1],
+                keys[sequence : sequence + 1, :, seen],
+                values[sequence : sequence + 1, :, seen],
+                torch.zeros(1, 1, 1, len(seen)),
+                scale,
+            )
+            assert torch.equal(alone, output[sequence : sequence + 1, :, row : row + 1]), (sequence, row)
 
 
 def _near_ties(rows: int = 4000, features: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

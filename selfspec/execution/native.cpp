@@ -13,10 +13,15 @@
 // the scalar tail, then the bias), so a row's result does not depend on how many rows one call has.
 //
 // selfspec::row_attention(query, key, value, mask, scale): softmax(q k^T * scale + mask) v in float32 for grouped
-// key/value heads, each query row computed on its own in one fixed order: its scores key by key, their maximum, then
-// the exponentials summed and the values accumulated key by key in the keys' order, masked keys skipped. A row's
-// result therefore depends only on the keys it sees and their order, not on how many rows, keys or masked keys the
-// call has: a tree's row equals the one-token step at that position bit for bit (the q4 path, attention.py).
+// key/value heads, each query row computed on its own in one fixed order: each key's score from its own product (the
+// same arithmetic wherever the key falls among the others), their maximum, the exponentials lane by lane, then the
+// weights summed and the values accumulated key by key in the keys' order, masked keys skipped. A row's result
+// therefore depends only on the keys it sees and their order, not on how many rows, keys or masked keys the call has:
+// a tree's row equals the one-token step at that position bit for bit (the q4 path, attention.py). The rows that share
+// a key/value head (a group's heads, a tree's rows) take each block of keys and values in turn while it is in the L1
+// cache: on the 2-core Zen 4, SmolLM2's 30 layers after 512 cached keys took 0.6 / 1.5 / 3.0 ms at 1 / 4 / 8 rows,
+// against 1.1 / 3.0 / 5.9 when each row streamed every key and value itself and took its exponentials one by one
+// (interleaved probe, medians, 2026-11-28).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -255,20 +260,28 @@ inline void code_dots(const float* x, int64_t K, const int8_t* q, const float* s
 }
 
 // the proxy's features [begin, end) for every input row: each block of codes comes from memory once (its lines
-// asked for kFarAhead bytes ahead) and stays in the L1 cache while the rows pass over it two at a time, so more rows
-// cost compute, not memory traffic
+// asked for kFarAhead bytes ahead) and stays in the L1 cache while the rows pass over it, one or two rows over
+// blocks of kOneRowFeatures / kFeatures, more rows over blocks of kQuadFeatures up to four at a time (as many_rows
+// does), so more rows cost compute, not memory traffic, and widen each code once per four rows
 void code_rows(const float* x, int64_t rows, int64_t K, const int8_t* q, const float* scale, float* y, int64_t N,
                int64_t begin, int64_t end) {
   int64_t n = begin;
   if (rows == 1) {
     for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
       code_dots<kOneRowFeatures, 1>(x, K, q + n * K, scale + n, y + n, N, true);
+  } else if (rows == 2) {
+    for (; n + kFeatures <= end; n += kFeatures) code_dots<kFeatures, 2>(x, K, q + n * K, scale + n, y + n, N, true);
   } else {
-    for (; n + kFeatures <= end; n += kFeatures) {
+    constexpr int F = kQuadFeatures;
+    for (; n + F <= end; n += F) {
+      const int8_t* block = q + n * K;
       int64_t row = 0;
-      for (; row + 2 <= rows; row += 2)
-        code_dots<kFeatures, 2>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N, row == 0);
-      if (row < rows) code_dots<kFeatures, 1>(x + row * K, K, q + n * K, scale + n, y + row * N + n, N, row == 0);
+      for (; row + 4 <= rows; row += 4) code_dots<F, 4>(x + row * K, K, block, scale + n, y + row * N + n, N, row == 0);
+      const float* xr = x + row * K;
+      float* yr = y + row * N + n;
+      if (rows - row == 3) code_dots<F, 3>(xr, K, block, scale + n, yr, N, row == 0);
+      if (rows - row == 2) code_dots<F, 2>(xr, K, block, scale + n, yr, N, row == 0);
+      if (rows - row == 1) code_dots<F, 1>(xr, K, block, scale + n, yr, N, row == 0);
     }
   }
   for (; n < end; n++)
@@ -284,39 +297,225 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// one query row: q [D]; keys/values [S, D] rows `key_stride` / `value_stride` apart; mask [S] (stride `mask_stride`,
-// or none: the first `visible` keys); out [D]; scores: scratch of S floats
-void attend_row(const float* q, const float* keys, int64_t key_stride, const float* values, int64_t value_stride,
-                const float* mask, int64_t mask_stride, int64_t visible, int64_t S, int64_t D, float scale,
-                float* scores, float* out) {
-  float high = -std::numeric_limits<float>::infinity();
-  for (int64_t s = 0; s < S; s++) {
-    const float bias = mask == nullptr ? (s < visible ? 0.0f : -std::numeric_limits<float>::infinity())
-                                       : mask[s * mask_stride];
-    if (!(bias > kMaskedBelow)) {
-      scores[s] = -std::numeric_limits<float>::infinity();
-      continue;
+// e^x lane by lane for x <= 0 (a score less the row's highest), to about a float32 unit in the last place: x = n ln 2
+// + r with |r| <= ln(2) / 2, a degree-6 polynomial for e^r, 2^n put into the exponent; below -87 it is taken at -87
+// (1.6e-38, still a normal float) and -inf (a hidden key) gives exactly 0. Each lane's result depends on its own x
+// only, so a key's weight does not depend on where in a vector it falls.
+#if defined(__AVX512F__)
+inline Vec exp_lanes(Vec x) {
+  const Vec clamped = _mm512_max_ps(x, broadcast(-87.0f));
+  const Vec n = _mm512_roundscale_ps(mul(clamped, broadcast(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, broadcast(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(n, broadcast(-2.12194440e-4f), r);
+  Vec p = broadcast(1.9875691500e-4f);
+  p = fma(p, r, broadcast(1.3981999507e-3f));
+  p = fma(p, r, broadcast(8.3334519073e-3f));
+  p = fma(p, r, broadcast(4.1665795894e-2f));
+  p = fma(p, r, broadcast(1.6666665459e-1f));
+  p = fma(p, r, broadcast(5.0000001201e-1f));
+  p = fma(p, mul(r, r), _mm512_add_ps(r, broadcast(1.0f)));
+  const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const Vec result = mul(p, _mm512_castsi512_ps(power));
+  const __mmask16 hidden = _mm512_cmp_ps_mask(x, broadcast(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+  return _mm512_mask_blend_ps(hidden, result, zero());
+}
+#else
+inline Vec exp_lanes(Vec x) {
+  const Vec clamped = _mm256_max_ps(x, broadcast(-87.0f));
+  const Vec n = _mm256_round_ps(mul(clamped, broadcast(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, broadcast(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, broadcast(-2.12194440e-4f), r);
+  Vec p = broadcast(1.9875691500e-4f);
+  p = fma(p, r, broadcast(1.3981999507e-3f));
+  p = fma(p, r, broadcast(8.3334519073e-3f));
+  p = fma(p, r, broadcast(4.1665795894e-2f));
+  p = fma(p, r, broadcast(1.6666665459e-1f));
+  p = fma(p, r, broadcast(5.0000001201e-1f));
+  p = fma(p, mul(r, r), _mm256_add_ps(r, broadcast(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const Vec result = mul(p, _mm256_castsi256_ps(power));
+  const Vec hidden = _mm256_cmp_ps(x, broadcast(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+  return _mm256_blendv_ps(result, zero(), hidden);
+}
+#endif
+
+// kLanes sums at once: lane j of the result is the sum of vector j's lanes, added in one fixed tree (pairs of lanes
+// within 128-bit blocks, then the blocks), the same for every j
+#if defined(__AVX512F__)
+inline Vec lane_sums(Vec* a) {
+  Vec pairs[8], quads[4];
+  for (int j = 0; j < 8; j++)
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; j++)
+    quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xEE));
+  // each 128-bit block of quads[j]: the partial sums of vectors 4j..4j+3 over that block's lanes
+  const Vec low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const Vec high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+#else
+inline Vec lane_sums(Vec* a) {
+  Vec pairs[4], quads[2];
+  for (int j = 0; j < 4; j++)
+    pairs[j] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm256_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 2; j++)
+    quads[j] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
+                             _mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+#endif
+
+// -inf in the lanes whose additive mask `bias` hides their key (not above kMaskedBelow), `value` elsewhere
+#if defined(__AVX512F__)
+inline Vec hide_where(Vec bias, Vec value) {
+  const __mmask16 hidden = _mm512_cmp_ps_mask(bias, broadcast(kMaskedBelow), _CMP_NGT_UQ);
+  return _mm512_mask_blend_ps(hidden, value, broadcast(-std::numeric_limits<float>::infinity()));
+}
+inline Vec max_lanes(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+#else
+inline Vec hide_where(Vec bias, Vec value) {
+  const Vec hidden = _mm256_cmp_ps(bias, broadcast(kMaskedBelow), _CMP_NGT_UQ);
+  return _mm256_blendv_ps(value, broadcast(-std::numeric_limits<float>::infinity()), hidden);
+}
+inline Vec max_lanes(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+#endif
+
+// the scores of `count` (at most kLanes) keys: key j's q . key over D's whole vectors (`vectors`) lane by lane, its
+// lanes summed (lane_sums), then the scalar tail; the same for a key whatever its place among the keys
+inline void key_scores(const float* q, const float* keys, int64_t key_stride, int64_t vectors, int64_t D,
+                       int64_t count, float* out) {
+  Vec acc[kLanes];
+#pragma GCC unroll 16
+  for (int j = 0; j < kLanes; j++) acc[j] = zero();
+  if (count == kLanes) {
+    for (int64_t v = 0; v < vectors; v++) {
+      const Vec query = load(q + v * kLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; j++) acc[j] = fma(query, load(keys + j * key_stride + v * kLanes), acc[j]);
     }
-    scores[s] = dot(q, keys + s * key_stride, D) * scale + bias;
-    high = std::max(high, scores[s]);
+  } else {
+    for (int64_t j = 0; j < count; j++)
+      for (int64_t v = 0; v < vectors; v++) acc[j] = fma(load(q + v * kLanes), load(keys + j * key_stride + v * kLanes), acc[j]);
   }
-  Vec acc[kMaxHeadDim / kLanes];
-  const int64_t vectors = D / kLanes, vector_end = vectors * kLanes;
-  float tail[kLanes];
-  for (int64_t v = 0; v < vectors; v++) acc[v] = zero();
-  for (int64_t k = vector_end; k < D; k++) tail[k - vector_end] = 0.0f;
-  float sum = 0.0f;
-  for (int64_t s = 0; s < S; s++) {
-    if (scores[s] == -std::numeric_limits<float>::infinity()) continue;
-    const float p = std::exp(scores[s] - high);
-    sum += p;
-    const float* row = values + s * value_stride;
-    for (int64_t v = 0; v < vectors; v++) acc[v] = fma(broadcast(p), load(row + v * kLanes), acc[v]);
-    for (int64_t k = vector_end; k < D; k++) tail[k - vector_end] += p * row[k];
+  float sums[kLanes];
+  store(sums, lane_sums(acc));
+  for (int64_t j = 0; j < count; j++) {
+    float sum = sums[j];
+    for (int64_t k = vectors * kLanes; k < D; k++) sum += q[k] * keys[j * key_stride + k];
+    out[j] = sum;
   }
-  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-  for (int64_t v = 0; v < vectors; v++) store(out + v * kLanes, mul(acc[v], broadcast(inverse)));
-  for (int64_t k = vector_end; k < D; k++) out[k] = tail[k - vector_end] * inverse;
+}
+
+// The rows one task of row_attention computes: query rows that share one key/value head (heads of a group, rows of a
+// tree), each with its own mask row.
+constexpr int64_t kMaxAttendRows = 8;
+struct AttendRows {
+  int64_t count;                      // rows, at most kMaxAttendRows
+  const float* q[kMaxAttendRows];     // each row's query [D]
+  float* out[kMaxAttendRows];         // each row's output [D]
+  const float* mask[kMaxAttendRows];  // each row's additive mask [S] (stride `mask_stride`), or none: its first
+  int64_t visible[kMaxAttendRows];    // `visible` keys
+};
+constexpr int64_t kValueBlock = 64;  // keys whose value rows stay in the L1 cache while every row takes them
+
+// softmax(q k^T * scale + mask) v for the rows of `rows` over keys/values [S, D] (rows `key_stride` / `value_stride`
+// apart); scores: scratch of rows.count x `padded` floats (S rounded up to whole vectors). Each row in three passes:
+// its scores (each key's product on its own: key_scores), their exponentials a vector at a time, then the weights
+// summed and the values accumulated key by key in the keys' order, hidden keys skipped. The rows take each block of
+// keys in turn while it is in the L1 cache, but a row's arithmetic is its own: the same whatever the other rows are.
+// V: the whole vectors in D when it is a compile-time constant (the accumulators then stay in registers), 0 for any D.
+template <int V>
+void attend_rows(const AttendRows& rows, const float* keys, int64_t key_stride, const float* values,
+                 int64_t value_stride, int64_t mask_stride, int64_t S, int64_t D, float scale, float* scores,
+                 int64_t padded) {
+  constexpr float kHidden = -std::numeric_limits<float>::infinity();
+  const int64_t vectors = V > 0 ? V : D / kLanes, vector_end = vectors * kLanes;
+  for (int64_t s = 0; s < S; s += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, S - s);
+    for (int64_t r = 0; r < rows.count; r++)
+      key_scores(rows.q[r], keys + s * key_stride, key_stride, vectors, D, count, scores + r * padded + s);
+  }
+  float sums[kMaxAttendRows];
+  for (int64_t r = 0; r < rows.count; r++) {
+    float* row_scores = scores + r * padded;
+    const float* mask = rows.mask[r];
+    float high = kHidden;
+    int64_t s = 0;
+    if (mask != nullptr && mask_stride == 1) {  // a vector at a time: the same fused multiply-add as the tail's
+      Vec highs = broadcast(kHidden);
+      for (; s + kLanes <= S; s += kLanes) {
+        const Vec bias = load(mask + s);
+        const Vec value = hide_where(bias, fma(load(row_scores + s), broadcast(scale), bias));
+        store(row_scores + s, value);
+        highs = max_lanes(highs, value);
+      }
+      float lanes[kLanes];
+      store(lanes, highs);
+      for (int64_t lane = 0; lane < kLanes; lane++) high = std::max(high, lanes[lane]);
+    }
+    for (; s < S; s++) {
+      const float bias = mask == nullptr ? (s < rows.visible[r] ? 0.0f : kHidden) : mask[s * mask_stride];
+      row_scores[s] = bias > kMaskedBelow ? std::fma(row_scores[s], scale, bias) : kHidden;
+      high = std::max(high, row_scores[s]);
+    }
+    if (high == kHidden) {  // no key seen: weights 0, output 0
+      std::fill(row_scores, row_scores + padded, 0.0f);
+    } else {
+      std::fill(row_scores + S, row_scores + padded, kHidden);
+      for (int64_t s = 0; s < padded; s += kLanes)
+        store(row_scores + s, exp_lanes(load(row_scores + s) - broadcast(high)));
+    }
+    std::fill(rows.out[r], rows.out[r] + D, 0.0f);
+    sums[r] = 0.0f;
+  }
+  for (int64_t block = 0; block < S; block += kValueBlock) {
+    const int64_t block_end = std::min(S, block + kValueBlock);
+    for (int64_t r = 0; r < rows.count; r++) {
+      const float* weights = scores + r * padded;
+      float* out = rows.out[r];
+      Vec acc[kMaxHeadDim / kLanes];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < vectors; v++) acc[v] = load(out + v * kLanes);
+      float sum = sums[r];
+      for (int64_t s = block; s < block_end; s++) {
+        const float p = weights[s];
+        if (p == 0.0f) continue;  // a hidden key (a seen one's weight is at least e^-87)
+        sum += p;
+        const float* row = values + s * value_stride;
+#pragma GCC unroll 16
+        for (int64_t v = 0; v < vectors; v++) acc[v] = fma(broadcast(p), load(row + v * kLanes), acc[v]);
+        for (int64_t k = vector_end; k < D; k++) out[k] += p * row[k];
+      }
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < vectors; v++) store(out + v * kLanes, acc[v]);
+      sums[r] = sum;
+    }
+  }
+  for (int64_t r = 0; r < rows.count; r++) {
+    const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+    float* out = rows.out[r];
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < vectors; v++) store(out + v * kLanes, mul(load(out + v * kLanes), broadcast(inverse)));
+    for (int64_t k = vector_end; k < D; k++) out[k] *= inverse;
+  }
+}
+
+using AttendRowsKernel = void (*)(const AttendRows&, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                                  int64_t, float, float*, int64_t);
+
+// the kernel for head dimension D: one built for its count of whole vectors where that is a common one
+AttendRowsKernel attend_rows_for(int64_t D) {
+  switch (D / kLanes) {
+    case 1: return &attend_rows<1>;
+    case 2: return &attend_rows<2>;
+    case 4: return &attend_rows<4>;
+    case 8: return &attend_rows<8>;
+    case 16: return &attend_rows<16>;
+    default: return &attend_rows<0>;
+  }
 }
 #endif
 
@@ -473,15 +672,29 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
   const float* vs = v.data_ptr<float>();
   const float* ms = has_mask ? m.data_ptr<float>() : nullptr;
   float* out = output.data_ptr<float>();
-  const int64_t group = H / KV;
-  at::parallel_for(0, B * H * n, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(S);
+  const int64_t group = H / KV, group_rows = group * n;  // query rows that share a key/value head
+  // each group's rows split into pieces of at most kMaxAttendRows, at least two where it has two rows (both threads
+  // busy on a one-token step of one sequence), as even as they go
+  const int64_t pieces = std::max<int64_t>(std::min<int64_t>(2, group_rows), (group_rows + kMaxAttendRows - 1) / kMaxAttendRows);
+  const int64_t piece_rows = (group_rows + pieces - 1) / pieces;
+  const int64_t padded = (S + kLanes - 1) / kLanes * kLanes;
+  const AttendRowsKernel attend = attend_rows_for(D);
+  at::parallel_for(0, B * KV * pieces, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(piece_rows * padded);
     for (int64_t task = first; task < last; task++) {
-      const int64_t b = task / (H * n), h = (task / n) % H, i = task % n, g = h / group;
-      const float* row_mask = has_mask ? ms + (m.size(0) == 1 ? 0 : b) * m.stride(0) + i * m.stride(2) : nullptr;
-      attend_row(qs + task * D, ks + b * k.stride(0) + g * k.stride(1), k.stride(2),
-                 vs + b * v.stride(0) + g * v.stride(1), v.stride(2), row_mask, has_mask ? m.stride(3) : 0,
-                 S - n + i + 1, S, D, static_cast<float>(scale), scores.data(), out + task * D);
+      const int64_t b = task / (KV * pieces), g = (task / pieces) % KV, piece = task % pieces;
+      AttendRows rows;
+      rows.count = 0;
+      for (int64_t r = piece * piece_rows; r < std::min(group_rows, (piece + 1) * piece_rows); r++) {
+        const int64_t h = g * group + r / n, i = r % n, row = (b * H + h) * n + i;
+        rows.q[rows.count] = qs + row * D;
+        rows.out[rows.count] = out + row * D;
+        rows.mask[rows.count] = has_mask ? ms + (m.size(0) == 1 ? 0 : b) * m.stride(0) + i * m.stride(2) : nullptr;
+        rows.visible[rows.count] = S - n + i + 1;
+        rows.count++;
+      }
+      attend(rows, ks + b * k.stride(0) + g * k.stride(1), k.stride(2), vs + b * v.stride(0) + g * v.stride(1),
+             v.stride(2), has_mask ? m.stride(3) : 0, S, D, static_cast<float>(scale), scores.data(), padded);
     }
   });
 #else
