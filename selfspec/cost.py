@@ -47,8 +47,10 @@ _TABLE_SIZE = 256  # tree sizes (and batch rows) whose cost a curve keeps worked
 # fast 4, q4 and q4-compiled 4: the small-row kernel and the head's proxy ask for lines ahead as they stream (the
 # products of 1 / 4 / 8 rows 10 / 23 / 23% faster, the head's proxy at 1 / 4 rows 2.6 / 3.8 -> 1.4 / 2.0 ms a step);
 # compiled 9, q4 and q4-compiled 5: the row attention takes the rows sharing a key/value head together and its
-# exponentials a vector at a time (30 layers at 1 / 8 rows 1.1 / 5.9 -> 0.6 / 3.0 ms); the head's proxy: 4 rows a pass.
-PATH_REVISIONS = {"compiled": 9, "fast": 4, "q4": 5, "q4-compiled": 5}
+# exponentials a vector at a time (30 layers at 1 / 8 rows 1.1 / 5.9 -> 0.6 / 3.0 ms); the head's proxy: 4 rows a pass;
+# compiled 10, q4 and q4-compiled 6: with AVX-512 VNNI the head's proxy multiplies int16-coded rows (1 / 4 / 8 rows
+# 0.71 / 1.80 / 3.48 -> 0.47 / 1.06 / 2.00 ms).
+PATH_REVISIONS = {"compiled": 10, "fast": 4, "q4": 6, "q4-compiled": 6}
 
 
 @dataclass(frozen=True)

@@ -180,9 +180,14 @@ def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel, dt
         alone = [native_module.bounded_head(inputs[row : row + 1], weight, head, yes) for row in range(rows)]
         assert torch.equal(bounded, torch.cat(alone))  # the proxy's rows too: a row's logits whatever the row count
     proxy = head.codes.float() * head.scale[:, None]
-    assert (F.linear(inputs, proxy).argmax(-1) != full.argmax(-1)).any(), "the proxy alone finds every argmax here"
+    # integers up to 16,383: where the kernel codes its inputs as int16 (AVX-512 VNNI) they are coded exactly, so its
+    # slack for the coding is 0 and the bound alone stands between the proxy and a wrong argmax
+    whole = torch.round(inputs / inputs.abs().amax(-1, keepdim=True) * 16383)
+    whole_full = product(whole, weight)
+    assert (F.linear(whole, proxy).argmax(-1) != whole_full.argmax(-1)).any(), "the proxy alone finds every argmax"
+    assert torch.equal(native_module.bounded_head(whole, weight, head, yes).argmax(-1), whole_full.argmax(-1))
     unbounded = HeadProxy(head.codes, head.scale, torch.zeros_like(head.bound))
-    assert not torch.equal(native_module.bounded_head(inputs, weight, unbounded, yes).argmax(-1), full.argmax(-1))
+    assert not torch.equal(native_module.bounded_head(whole, weight, unbounded, yes).argmax(-1), whole_full.argmax(-1))
     tie = torch.zeros(1, weight.shape[1])  # every logit 0: the first row wins, as in the full product
     assert native_module.bounded_head(tie, weight, head, yes).argmax().item() == 0
     # the bound holds with room: the proxy's value lies within bound * |x| of the exact one
@@ -197,6 +202,31 @@ def test_the_bounded_head_gives_the_exact_products_argmax_bit_for_bit(kernel, dt
         alone = [native_module.bounded_head(inputs[row : row + 1], spread, spread_head, yes) for row in range(rows)]
         assert torch.equal(bounded, torch.cat(alone))
     assert torch.isfinite(bounded).sum() < bounded.numel() // 10
+
+
+def test_the_bounded_head_allows_for_how_it_codes_its_inputs(kernel):
+    """Where the kernel codes its input rows as int16 (AVX-512 VNNI, steps of max |x| / 16,383), its slack must count
+    the coding's error too. Here the proxy is the weight itself (codes / 128, every row's scale 1/128) and one input
+    row is made so that the coding alone swaps the top two logits, by more than float32's rounding slack: weight row 1
+    meets one element just under half a step (coded 0) with code 92, row 2 meets 90 elements just over half a step
+    (coded 1) with code 1, so row 1 wins exactly (92 x 0.49 > 90 x 0.5001) and row 2 in the coded product. Elsewhere
+    this is one more exactness check."""
+    from selfspec.execution.head import head_proxy
+
+    step = 0.125
+    codes = torch.zeros(8, 96, dtype=torch.int64)
+    codes[:, 1] = 127  # every row's largest code: its scale 1/128, exact
+    codes[1, 2] = 92
+    codes[2, 3:93] = 1
+    weight = (codes.float() / 128).contiguous()
+    inputs = torch.zeros(1, 96)
+    inputs[0, 0] = 16383 * step  # the largest element: the coding's step (its weights 0)
+    inputs[0, 2] = 0.49 * step
+    inputs[0, 3:93] = 0.5001 * step
+    full = kernel(inputs, weight)
+    assert full.argmax().item() == 1
+    bounded = native_module.bounded_head(inputs, weight, head_proxy(weight), torch.tensor(True))
+    assert bounded.argmax().item() == 1 and bounded[0, 1] == full[0, 1]
 
 
 def test_the_head_proxy_is_stored_beside_the_packages_and_checked_when_read(tmp_path, monkeypatch):
