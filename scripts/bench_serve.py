@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from selfspec.bench.report import save_chart
 from selfspec.files import atomic_write_text
 from selfspec.training.data.prompt_sets import load_prompt_set
 
@@ -182,7 +183,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     axis.set_xscale("log", base=2)
     axis.legend()
     figure.tight_layout()
-    figure.savefig(out / "throughput.png", dpi=110)
+    save_chart(figure, out / "throughput.png")
 
 
 def main(argv: list[str] | None = None) -> int:
