@@ -382,12 +382,6 @@ void word_rows(const int16_t* u, const float* steps, int64_t rows, int64_t padde
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kMaskedBelow = -1e30f;  // an additive mask entry this low hides its key (finfo.min, -inf)
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum;
-  dots<1, 1>(a, n, b, nullptr, &sum, 1);  // the small-row product's order: lanes, one horizontal sum, the tail
-  return sum;
-}
-
 // e^x lane by lane for x <= 0 (a score less the row's highest), to about a float32 unit in the last place: x = n ln 2
 // + r with |r| <= ln(2) / 2, a degree-6 polynomial for e^r, 2^n put into the exponent; below -87 it is taken at -87
 // (1.6e-38, still a normal float) and -inf (a hidden key) gives exactly 0. Each lane's result depends on its own x
@@ -443,8 +437,10 @@ inline Vec lane_sums(Vec* a) {
     quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
                              _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xEE));
   // each 128-bit block of quads[j]: the partial sums of vectors 4j..4j+3 over that block's lanes
-  const Vec low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const Vec high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  const Vec low =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const Vec high =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 #else
@@ -455,7 +451,8 @@ inline Vec lane_sums(Vec* a) {
   for (int j = 0; j < 2; j++)
     quads[j] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0x44),
                              _mm256_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], 0xEE));
-  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 }
 #endif
 
@@ -489,7 +486,8 @@ inline void key_scores(const float* q, const float* keys, int64_t key_stride, in
     }
   } else {
     for (int64_t j = 0; j < count; j++)
-      for (int64_t v = 0; v < vectors; v++) acc[j] = fma(load(q + v * kLanes), load(keys + j * key_stride + v * kLanes), acc[j]);
+      for (int64_t v = 0; v < vectors; v++)
+        acc[j] = fma(load(q + v * kLanes), load(keys + j * key_stride + v * kLanes), acc[j]);
   }
   float sums[kLanes];
   store(sums, lane_sums(acc));
@@ -760,7 +758,7 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
       int64_t n = 0;
 #ifdef SELFSPEC_WORD_DOTS
       // eight at a time: the same slack as the scalar loop's up to rounding, which the bounds' margins cover
-      bool* near = nullptr;  // where a row's upper bound reaches the floor
+      const uint8_t* near = nullptr;  // where a row's upper bound reaches the floor (1) or not (0)
       std::vector<uint8_t> reaches;
       if (words) {
         const __m512d magnitude = _mm512_set1_pd(0x1p-23), norms = _mm512_set1_pd(norm), errs = _mm512_set1_pd(error);
@@ -785,14 +783,14 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
             for (int lane = 0; lane < 8; lane++) reaches[n + lane] = (hit >> lane) & 1;
         }
         for (int64_t m = n; m < N; m++) reaches[m] = double(yr[m]) + slack(m) >= floor;
-        near = reinterpret_cast<bool*>(reaches.data());
+        near = reaches.data();
         n = N;
       }
 #endif
       for (; n < N; n++) floor = std::max(floor, double(yr[n]) - slack(n));
       for (n = 0; n < N; n++) {
 #ifdef SELFSPEC_WORD_DOTS
-        const bool candidate = near != nullptr ? near[n] : double(yr[n]) + slack(n) >= floor;
+        const bool candidate = near != nullptr ? near[n] != 0 : double(yr[n]) + slack(n) >= floor;
 #else
         const bool candidate = double(yr[n]) + slack(n) >= floor;
 #endif
@@ -842,7 +840,8 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
   const int64_t group = H / KV, group_rows = group * n;  // query rows that share a key/value head
   // each group's rows split into pieces of at most kMaxAttendRows, at least two where it has two rows (both threads
   // busy on a one-token step of one sequence), as even as they go
-  const int64_t pieces = std::max<int64_t>(std::min<int64_t>(2, group_rows), (group_rows + kMaxAttendRows - 1) / kMaxAttendRows);
+  const int64_t pieces =
+      std::max<int64_t>(std::min<int64_t>(2, group_rows), (group_rows + kMaxAttendRows - 1) / kMaxAttendRows);
   const int64_t piece_rows = (group_rows + pieces - 1) / pieces;
   const int64_t padded = (S + kLanes - 1) / kLanes * kLanes;
   const AttendRowsKernel attend = attend_rows_for(D);
