@@ -387,44 +387,39 @@ constexpr float kMaskedBelow = -1e30f;  // an additive mask entry this low hides
 // (1.6e-38, still a normal float) and -inf (a hidden key) gives exactly 0. Each lane's result depends on its own x
 // only, so a key's weight does not depend on where in a vector it falls.
 #if defined(__AVX512F__)
-inline Vec exp_lanes(Vec x) {
-  const Vec clamped = _mm512_max_ps(x, broadcast(-87.0f));
-  const Vec n = _mm512_roundscale_ps(mul(clamped, broadcast(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, broadcast(0.693359375f), clamped);
-  r = _mm512_fnmadd_ps(n, broadcast(-2.12194440e-4f), r);
-  Vec p = broadcast(1.9875691500e-4f);
-  p = fma(p, r, broadcast(1.3981999507e-3f));
-  p = fma(p, r, broadcast(8.3334519073e-3f));
-  p = fma(p, r, broadcast(4.1665795894e-2f));
-  p = fma(p, r, broadcast(1.6666665459e-1f));
-  p = fma(p, r, broadcast(5.0000001201e-1f));
-  p = fma(p, mul(r, r), _mm512_add_ps(r, broadcast(1.0f)));
-  const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const Vec result = mul(p, _mm512_castsi512_ps(power));
-  const __mmask16 hidden = _mm512_cmp_ps_mask(x, broadcast(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
-  return _mm512_mask_blend_ps(hidden, result, zero());
+inline Vec max_lanes(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec nearest(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec two_to(Vec n) {  // 2^n for whole n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline Vec zero_where(Vec x, float at, Vec value) {  // 0 in the lanes where x == at, `value` elsewhere
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, broadcast(at), _CMP_EQ_OQ), value, zero());
 }
 #else
+inline Vec max_lanes(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec nearest(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec two_to(Vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline Vec zero_where(Vec x, float at, Vec value) {
+  return _mm256_blendv_ps(value, zero(), _mm256_cmp_ps(x, broadcast(at), _CMP_EQ_OQ));
+}
+#endif
+
 inline Vec exp_lanes(Vec x) {
-  const Vec clamped = _mm256_max_ps(x, broadcast(-87.0f));
-  const Vec n = _mm256_round_ps(mul(clamped, broadcast(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, broadcast(0.693359375f), clamped);
-  r = _mm256_fnmadd_ps(n, broadcast(-2.12194440e-4f), r);
+  const Vec clamped = max_lanes(x, broadcast(-87.0f));
+  const Vec n = nearest(mul(clamped, broadcast(1.44269504088896341f)));
+  Vec r = fma(n, broadcast(-0.693359375f), clamped);  // x - n ln 2, ln 2 in two parts
+  r = fma(n, broadcast(2.12194440e-4f), r);
   Vec p = broadcast(1.9875691500e-4f);
   p = fma(p, r, broadcast(1.3981999507e-3f));
   p = fma(p, r, broadcast(8.3334519073e-3f));
   p = fma(p, r, broadcast(4.1665795894e-2f));
   p = fma(p, r, broadcast(1.6666665459e-1f));
   p = fma(p, r, broadcast(5.0000001201e-1f));
-  p = fma(p, mul(r, r), _mm256_add_ps(r, broadcast(1.0f)));
-  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const Vec result = mul(p, _mm256_castsi256_ps(power));
-  const Vec hidden = _mm256_cmp_ps(x, broadcast(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
-  return _mm256_blendv_ps(result, zero(), hidden);
+  p = fma(p, mul(r, r), r + broadcast(1.0f));
+  return zero_where(x, -std::numeric_limits<float>::infinity(), mul(p, two_to(n)));
 }
-#endif
 
 // kLanes sums at once: lane j of the result is the sum of vector j's lanes, added in one fixed tree (pairs of lanes
 // within 128-bit blocks, then the blocks), the same for every j
@@ -462,13 +457,11 @@ inline Vec hide_where(Vec bias, Vec value) {
   const __mmask16 hidden = _mm512_cmp_ps_mask(bias, broadcast(kMaskedBelow), _CMP_NGT_UQ);
   return _mm512_mask_blend_ps(hidden, value, broadcast(-std::numeric_limits<float>::infinity()));
 }
-inline Vec max_lanes(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 #else
 inline Vec hide_where(Vec bias, Vec value) {
   const Vec hidden = _mm256_cmp_ps(bias, broadcast(kMaskedBelow), _CMP_NGT_UQ);
   return _mm256_blendv_ps(value, broadcast(-std::numeric_limits<float>::infinity()), hidden);
 }
-inline Vec max_lanes(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 #endif
 
 // the scores of `count` (at most kLanes) keys: key j's q . key over D's whole vectors (`vectors`) lane by lane, its
