@@ -208,8 +208,9 @@ def test_trees_are_priced_for_the_batch(tmp_path):
 
 def test_batch_prices_are_measured_once_a_width_ran_a_few_steps():
     """A width's price moves from the curve's estimate to its measured steps (the median of the latest, over the
-    median plain step of as many requests) once it ran three times, worked out again every PRICE_REFRESH steps, and
-    never falls below a narrower width's."""
+    median plain step of as many requests) once it ran three times, worked out again every PRICE_REFRESH steps (each
+    price of B requests on its own count, whatever other prices of B are asked for), and never falls below a narrower
+    width's."""
     curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.0, 1.2, 1.5, 2.5), source="test")
     prices = BatchPrices()
     assert prices.curve(curve, 4) == batch_curve(curve, 4) and prices.curve(curve, 1) == batch_curve(curve, 1)
@@ -228,6 +229,12 @@ def test_batch_prices_are_measured_once_a_width_ran_a_few_steps():
     again = prices.curve(curve, 4)
     assert again.cost(4) == again.cost(2) == pytest.approx(1 + 4 * (0.031 / 0.020 - 1))
     assert prices.curve(curve, 2) == batch_curve(curve, 2)  # two requests: nothing measured yet
+    beside = prices.curve(curve, 4, waiting=1)  # four requests and one prefilling: priced for five
+    assert beside.shared_by == 5 and beside.cost(2) == pytest.approx(1 + 5 * (0.031 / 0.020 - 1))
+    for _ in range(PRICE_REFRESH):
+        prices.record(4, 4, 0.040)
+        prices.curve(curve, 4)  # four requests alone, priced at every step, worked out again on its own count
+    assert prices.curve(curve, 4, waiting=1).cost(4) == pytest.approx(1 + 5 * (0.040 / 0.020 - 1))
 
 
 def test_accepted_nodes_away_from_the_chain_are_moved_in_each_row():

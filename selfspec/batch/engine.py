@@ -163,16 +163,16 @@ class BatchEngine:
         else:  # drafting does not pay for this many requests now: plain steps
             trees = [DraftTree.root_only(running.committed[-1]) for running in self.running]
         greedy = all(running.request.sampling.greedy for running in self.running)
-        verifying = time.perf_counter()
+        verifying, widest = time.perf_counter(), padded_width(max(tree.size for tree in trees))
         with self.target.execution.argmax_only(greedy):  # a greedy row reads its argmax alone
-            logits, hidden = self._forward(trees)
+            logits, hidden = self._forward(trees, widest)
         paths = [
             self._commit(running, tree, logits[row, : tree.size], {k: h[row] for k, h in hidden.items()})
             for row, (running, tree) in enumerate(zip(self.running, trees, strict=True))
         ]
         del logits, hidden
         self.cache.keep(paths)
-        self.prices.record(rows, padded_width(max(tree.size for tree in trees)), time.perf_counter() - verifying)
+        self.prices.record(rows, widest, time.perf_counter() - verifying)
         self.rows_per_step[rows] += 1
         emitted = sum(running.accepted_lengths[-1] for running in self.running)
         drafted = any(tree.size > 1 for tree in trees)
@@ -295,10 +295,11 @@ class BatchEngine:
             raise SelfspecError(f"drafter '{drafter.name}' rooted its tree elsewhere than the last committed token")
         return tree
 
-    def _forward(self, trees: list[DraftTree]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """One target forward over every row's tree -> logits [rows, widest, V] and the drafters' hidden layers."""
+    def _forward(self, trees: list[DraftTree], widest: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One target forward over every row's tree, padded to `widest` nodes -> logits [rows, widest, V] and the
+        drafters' hidden layers."""
         device, dtype = self.target.device, self.target.dtype
-        rows, widest = len(trees), padded_width(max(tree.size for tree in trees))
+        rows = len(trees)
         lengths = self.cache.lengths
         start = max(lengths)  # every row's nodes are written after the longest prefix (cache.py)
         lowest = torch.finfo(dtype).min

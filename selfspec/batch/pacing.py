@@ -125,8 +125,14 @@ def batch_curve(curve: CostCurve, rows: int, waiting: int = 0) -> CostCurve:
     if rows == 1 and waiting == 0:
         return CostCurve(curve.sizes, curve.relative_cost, source=f"{curve.source}, priced for 1 requests")
     sizes = _tree_sizes(curve)
-    ratios = [curve.cost(rows * padded_width(n)) / curve.cost(rows) for n in sizes]
+    ratios = _estimated_ratios(curve, rows, sizes)
     return _priced(sizes, ratios, rows + waiting, f"{curve.source}, priced for {rows} requests" + _waiting(waiting))
+
+
+def _estimated_ratios(curve: CostCurve, rows: int, sizes: tuple[int, ...]) -> list[float]:
+    """Each tree size's step time ratio r as `curve` estimates it: its cost at rows * padded_width(n) over its cost at
+    rows (every request's root)."""
+    return [curve.cost(rows * padded_width(n)) / curve.cost(rows) for n in sizes]
 
 
 def _waiting(waiting: int) -> str:
@@ -145,17 +151,19 @@ class BatchPrices:
     """What a tree costs in a step of B requests, measured where it can be. `record` hears the time of each step's
     verification (the forward, the rows' verification and commits: not the drafters'), by B and padded width;
     `curve(own, B)` prices trees as batch_curve does, each width that ran at least PRICE_MIN_SAMPLES times at the
-    median of its latest PRICE_SAMPLES steps over that of B's plain steps instead of the curve's estimate. Worked out
-    again every PRICE_REFRESH steps of B rows, a new CostCurve only where a price moved."""
+    median of its latest PRICE_SAMPLES steps over that of B's plain steps instead of the curve's estimate. Each
+    (curve, B, waiting) is worked out again once PRICE_REFRESH steps of B rows ran since it last was, a new CostCurve
+    only where a price moved."""
 
     def __init__(self) -> None:
         self.samples: dict[tuple[int, int], deque[float]] = {}
-        self._since: dict[int, int] = {}  # B -> steps recorded since B's prices were last worked out
+        self._steps: dict[int, int] = {}  # B -> steps of B rows recorded
         self._curves: dict[tuple[CostCurve, int, int], CostCurve] = {}  # (own curve, rows, waiting) -> prices
+        self._worked: dict[tuple[CostCurve, int, int], int] = {}  # the same key -> _steps[B] when last worked out
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         self.samples.setdefault((rows, width), deque(maxlen=PRICE_SAMPLES)).append(seconds)
-        self._since[rows] = self._since.get(rows, 0) + 1
+        self._steps[rows] = self._steps.get(rows, 0) + 1
 
     def measured(self, rows: int, width: int) -> float | None:
         """The median time of the latest steps of `rows` rows as wide as `width`, once there are enough of them."""
@@ -166,16 +174,16 @@ class BatchPrices:
         estimate = batch_curve(own, rows, waiting)
         if rows == 1 and waiting == 0:
             return estimate
-        key = (own, rows, waiting)
-        if key in self._curves and self._since.get(rows, 0) < PRICE_REFRESH:
+        key, steps_now = (own, rows, waiting), self._steps.get(rows, 0)
+        if key in self._curves and steps_now - self._worked[key] < PRICE_REFRESH:
             return self._curves[key]
-        self._since[rows] = 0
+        self._worked[key] = steps_now
         plain = self.measured(rows, 1)
         steps = [self.measured(rows, padded_width(n)) if plain is not None else None for n in estimate.sizes]
         if all(step is None for step in steps[1:]):
             self._curves[key] = estimate
             return estimate
-        own_ratios = (own.cost(rows * padded_width(n)) / own.cost(rows) for n in estimate.sizes)
+        own_ratios = _estimated_ratios(own, rows, estimate.sizes)
         ratios = [guess if step is None else step / plain for step, guess in zip(steps, own_ratios, strict=True)]
         ratios[0] = 1.0
         priced = _priced(estimate.sizes, ratios, rows + waiting, f"{estimate.source}, measured")
