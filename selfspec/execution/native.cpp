@@ -747,53 +747,46 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
 #else
       const auto slack = [&](int64_t n) { return double(cs[n]) * norm; };
 #endif
-      double floor = -std::numeric_limits<double>::infinity();  // the largest lower bound of an exact value
-      int64_t n = 0;
-#ifdef SELFSPEC_WORD_DOTS
-      // eight at a time: the same slack as the scalar loop's up to rounding, which the bounds' margins cover
-      const uint8_t* near = nullptr;  // where a row's upper bound reaches the floor (1) or not (0)
-      std::vector<uint8_t> reaches;
-      if (words) {
-        const __m512d magnitude = _mm512_set1_pd(0x1p-23), norms = _mm512_set1_pd(norm), errs = _mm512_set1_pd(error);
-        const auto slacks = [&](int64_t at, __m512d value) {
-          const __m512d scaled = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ss + at)), errs,
-                                                 _mm512_mul_pd(magnitude, _mm512_abs_pd(value)));
-          return _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(cs + at)), norms, scaled);
-        };
-        __m512d floors = _mm512_set1_pd(-std::numeric_limits<double>::infinity());
-        for (; n + 8 <= N; n += 8) {
-          const __m512d value = _mm512_cvtps_pd(_mm256_loadu_ps(yr + n));
-          floors = _mm512_max_pd(floors, _mm512_sub_pd(value, slacks(n, value)));
-        }
-        floor = _mm512_reduce_max_pd(floors);
-        for (int64_t m = n; m < N; m++) floor = std::max(floor, double(yr[m]) - slack(m));
-        reaches.assign(N, 0);
-        const __m512d bar = _mm512_set1_pd(floor);
-        for (n = 0; n + 8 <= N; n += 8) {
-          const __m512d value = _mm512_cvtps_pd(_mm256_loadu_ps(yr + n));
-          const __mmask8 hit = _mm512_cmp_pd_mask(_mm512_add_pd(value, slacks(n, value)), bar, _CMP_GE_OQ);
-          if (hit)
-            for (int lane = 0; lane < 8; lane++) reaches[n + lane] = (hit >> lane) & 1;
-        }
-        for (int64_t m = n; m < N; m++) reaches[m] = double(yr[m]) + slack(m) >= floor;
-        near = reaches.data();
-        n = N;
-      }
-#endif
-      for (; n < N; n++) floor = std::max(floor, double(yr[n]) - slack(n));
-      for (n = 0; n < N; n++) {
-#ifdef SELFSPEC_WORD_DOTS
-        const bool candidate = near != nullptr ? near[n] != 0 : double(yr[n]) + slack(n) >= floor;
-#else
-        const bool candidate = double(yr[n]) + slack(n) >= floor;
-#endif
+      // a logit is computed exactly where its upper bound reaches the largest lower bound (`floor`), else -inf
+      const auto settle = [&](int64_t n, bool candidate) {
         if (!candidate)
           yr[n] = -std::numeric_limits<float>::infinity();
         else if (wide)
           dots<1, 1>(xr, K, ws16 + n * K, nullptr, yr + n, 1);  // wide_product's bits for this element
         else
           dots<1, 1>(xr, K, ws + n * K, nullptr, yr + n, 1);  // small_rows' bits for this element
+      };
+      double floor = -std::numeric_limits<double>::infinity();
+      int64_t n = 0, settled = 0;
+#ifdef SELFSPEC_WORD_DOTS
+      // eight at a time: the same slack as the scalar loop's up to rounding, which the bounds' margins cover
+      const __m512d magnitude = _mm512_set1_pd(0x1p-23), norms = _mm512_set1_pd(norm), errs = _mm512_set1_pd(error);
+      const auto slacks = [&](int64_t at, __m512d value) {
+        const __m512d scaled = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ss + at)), errs,
+                                               _mm512_mul_pd(magnitude, _mm512_abs_pd(value)));
+        return _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(cs + at)), norms, scaled);
+      };
+      if (words) {
+        __m512d floors = _mm512_set1_pd(-std::numeric_limits<double>::infinity());
+        for (; n + 8 <= N; n += 8) {
+          const __m512d value = _mm512_cvtps_pd(_mm256_loadu_ps(yr + n));
+          floors = _mm512_max_pd(floors, _mm512_sub_pd(value, slacks(n, value)));
+        }
+        floor = _mm512_reduce_max_pd(floors);
       }
+#endif
+      for (; n < N; n++) floor = std::max(floor, double(yr[n]) - slack(n));
+#ifdef SELFSPEC_WORD_DOTS
+      if (words) {
+        const __m512d bar = _mm512_set1_pd(floor);
+        for (; settled + 8 <= N; settled += 8) {
+          const __m512d value = _mm512_cvtps_pd(_mm256_loadu_ps(yr + settled));
+          const __mmask8 hit = _mm512_cmp_pd_mask(_mm512_add_pd(value, slacks(settled, value)), bar, _CMP_GE_OQ);
+          for (int lane = 0; lane < 8; lane++) settle(settled + lane, (hit >> lane) & 1);
+        }
+      }
+#endif
+      for (; settled < N; settled++) settle(settled, double(yr[settled]) + slack(settled) >= floor);
     }
   });
 #endif
