@@ -387,3 +387,85 @@ def test_a_batch_whose_drafting_does_not_pay_decodes_plain_steps_for_a_while():
     for _ in range(WINDOW):
         fresh.record(2, drafted=True, asked=True, tokens=3, seconds=0.02)
     assert [fresh.ask(2) for _ in range(3)] == [False, False, True]
+
+
+# A "system preamble" the prompts below share, whole or in part (chat prompts through one template begin alike).
+PREAMBLE = [1, 5, 17, 33, 5, 17, 40, 8, 9, 5, 17, 3, 4, 22, 61, 7, 7, 12]
+SHARING = [
+    PREAMBLE + [30, 31, 32, 33],
+    PREAMBLE + [30, 44],  # its whole prefix is kept: nothing to forward
+    PREAMBLE[:7] + [50, 51, 52, 53, 54],
+    [2, 3, 4],
+    PREAMBLE + [30, 31, 32, 33],  # the first again
+    PREAMBLE + [60] * 20 + [61],
+]
+
+
+@pytest.mark.parametrize("path", ["stock", "fast", "q4"])
+@pytest.mark.parametrize("name", ["none", "eagle", "medusa"])
+def test_prompts_sharing_a_beginning_skip_its_prefill_and_reply_as_alone(name, path, tmp_path):
+    """A prompt whose beginning a kept prefix shares copies those positions' keys, values and hidden states instead of
+    forwarding them (prefix.py), the prompt admitted beside the one it shares them with too, and every reply is the
+    one the request gets alone."""
+    target = without_eos(make_tiny_target("llama", path=path))
+    make = drafter_factory(name, target, tmp_path)
+    forwarded = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        if "logits_to_keep" in kwargs:  # a prefill chunk
+            forwarded.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    target.forward = spy
+    engine = BatchEngine(target, make, slots=2)
+    requests = [BatchRequest(list(prompt), 10) for prompt in SHARING]
+    for request in requests:
+        engine.submit(request)
+    done = {id(result.request): result for result in engine.run()}
+    del target.forward
+    for request in requests:
+        assert done[id(request)].token_ids == alone(target, make, request.input_ids, 10), (name, path)
+    cached = [done[id(request)].cached_tokens for request in requests]
+    assert cached == [0, len(PREAMBLE) + 1, 7, 0, len(SHARING[0]) - 1, len(PREAMBLE)]
+    assert forwarded == [32, 16, 16, 32]  # what is left of each prompt less its last token, padded to 16s
+    assert engine.prefixes.reused_positions == sum(cached)
+
+
+def test_the_kept_prefixes_are_few_short_and_their_own():
+    """The store keeps ENTRIES prompts' first MAX_POSITIONS positions, least recently used out first; a prefix that
+    extends a kept one replaces it; a kept prefix whose hidden states lack a layer a drafter reads is not reused."""
+    from selfspec.batch.prefix import PrefixStore
+
+    target = make_tiny_target("llama", path="fast")
+
+    def prefilled(prompt):
+        cache = target.new_cache()
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            target.forward(input_ids=ids, past_key_values=cache, use_cache=True)
+        return cache
+
+    store = PrefixStore(entries=2, max_positions=6)
+    hidden = {2: torch.arange(8.0).view(8, 1)}
+    store.keep([1, 2, 3, 4, 5, 6, 7, 8], prefilled([1, 2, 3, 4, 5, 6, 7, 8]), hidden)
+    assert [entry.tokens for entry in store.entries] == [(1, 2, 3, 4, 5, 6)]  # cut at max_positions
+    assert store.entries[0].keys[0].shape[2] == 6 and store.entries[0].hidden[2].view(-1).tolist() == [0, 1, 2, 3, 4, 5]
+    store.keep([1, 2, 3], prefilled([1, 2, 3]), hidden)  # a prefix of a kept one: nothing new
+    store.keep([9, 9], prefilled([9, 9]), hidden)
+    store.keep([9, 9, 4], prefilled([9, 9, 4]), hidden)  # extends (9, 9): replaces it
+    assert [entry.tokens for entry in store.entries] == [(1, 2, 3, 4, 5, 6), (9, 9, 4)]
+    hit = store.longest([1, 2, 3, 7], (2,))
+    assert hit.positions == 3 and hit.entry.tokens[:3] == (1, 2, 3)
+    assert store.longest([1, 2], (2, 5)) is None  # layer 5 was not kept
+    assert store.longest([8, 1], (2,)) is None
+    store.keep([4, 4], prefilled([4, 4]), hidden)  # the least recently used, (9, 9, 4), goes
+    assert [entry.tokens for entry in store.entries] == [(1, 2, 3, 4, 5, 6), (4, 4)]
+    cache = target.new_cache()
+    states = store.longest([1, 2, 3, 4, 5, 6, 7], (2,)).load(cache)
+    reference = prefilled([1, 2, 3, 4, 5, 6])
+    assert cache.get_seq_length() == 6 and torch.equal(cache.layers[0].keys, reference.layers[0].keys)
+    assert states[2].view(-1).tolist() == [0, 1, 2, 3, 4, 5]
+    empty = PrefixStore(entries=0)
+    empty.keep([1, 2], prefilled([1, 2]), hidden)
+    assert empty.entries == [] and empty.longest([1, 2], ()) is None

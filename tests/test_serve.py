@@ -117,18 +117,24 @@ def finish_reason(stop_reason: str) -> str:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_greedy_chat_equals_generate_and_plain_decoding(server, stream):
+    previous: list[int] = []
     for prompt in PROMPTS:
         expected = server.reference.generate(prompt, max_new_tokens=MAX_TOKENS)
         assert server.plain.generate(prompt, max_new_tokens=MAX_TOKENS).token_ids == expected.token_ids
         text, finish, usage, stats = chat(server, prompt, stream)
         assert text == expected.text, prompt
         assert finish == finish_reason(expected.stats.stop_reason)
-        prompt_tokens = server.reference.target.encode_prompt(prompt).shape[1]
+        ids = server.reference.target.encode_prompt(prompt)[0].tolist()
+        cached = usage.pop("prompt_tokens_details")["cached_tokens"]
         assert usage == {
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": len(ids),
             "completion_tokens": len(expected.token_ids),
-            "total_tokens": prompt_tokens + len(expected.token_ids),
+            "total_tokens": len(ids) + len(expected.token_ids),
         }
+        # the chat template's opening, shared with the prompt before, was kept and not forwarded again
+        shared = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+        assert min(shared, len(ids) - 1) <= cached <= len(ids) - 1 and (not previous or cached > 0)
+        previous = ids
         assert stats["target_forwards"] == expected.stats.target_forwards
         assert stats["tau"] == round(expected.stats.mean_accepted_length, 4)
 

@@ -40,6 +40,7 @@ from ..sampling import SamplingConfig, StepDraws
 from ..tree_attention import DraftTree, ancestor_matrix, chunk_forward, verify
 from .cache import RaggedCache
 from .pacing import BatchPacing, BatchPrices, padded_width
+from .prefix import PrefixStore
 
 # The row counts the target's forwards take come from a few sizes, not from every prompt length and tree size: the fast
 # path's linears run oneDNN kernels compiled for each row count and kept in caches of 256 entries (selfspec/memory.py),
@@ -72,6 +73,7 @@ class Finished:
     admitted: float = 0.0  # time.perf_counter() when its prefill began (0.0: cancelled while it waited)
     drafter: str = ""  # the slot's drafter, described
     accepted_by_source: dict | None = None  # auto's sources: the tokens of each this request accepted
+    cached_tokens: int = 0  # prompt positions copied from a kept prefix instead of forwarded (prefix.py)
 
 
 @dataclass
@@ -82,7 +84,9 @@ class _Prefill:
     slot: int
     started: float
     cache: object = None  # the target's own cache over the prompt so far
-    done: int = 0  # prompt positions forwarded (padding included)
+    done: int = 0  # prompt positions in the cache (padding included): forwarded, or copied from a kept prefix
+    end: int | None = None  # the positions its prefill forwards to (padding included); None: not begun
+    reused: int = 0  # leading positions copied from a kept prefix (prefix.py), not forwarded
     parts: dict = field(default_factory=dict)  # hidden layer -> the real positions' states, chunk by chunk
 
 
@@ -94,6 +98,7 @@ class _Running:
     generator: torch.Generator
     started: float
     prefill_s: float
+    cached_tokens: int = 0
     new_tokens: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
@@ -120,6 +125,7 @@ class BatchEngine:
         self.prefilling: list[_Prefill] = []  # admitted, their prompts not yet all forwarded (oldest first)
         self.running: list[_Running] = []  # row i of the cache is running[i]
         self.cache = RaggedCache(target.num_layers)
+        self.prefixes = PrefixStore()  # the latest prompts' prefixes, which later prompts' prefills skip
         self.pacing = BatchPacing()  # whether drafting pays for several requests at once, measured
         self.prices = BatchPrices()  # what a tree costs in a step of several requests, measured
         self.rows_per_step: Counter[int] = Counter()  # requests verified together -> steps that did (bounded: slots)
@@ -227,7 +233,7 @@ class BatchEngine:
         while self.prefilling and (budget > 0 or not self.running):
             prefill = self.prefilling[0]
             budget -= self._advance(prefill)
-            if prefill.done >= _padded_prefix(prefill.request, self.target.context_limit):
+            if prefill.done >= prefill.end:  # (_advance began it)
                 self.prefilling.pop(0)
                 self._start(prefill)
 
@@ -239,10 +245,11 @@ class BatchEngine:
         chunk's. Padded positions come after the real ones (causal: they change nothing before them) and are left
         out of the cache row and the drafter's hidden states."""
         prefix = prefill.request.input_ids[:-1]
-        padded = _padded_prefix(prefill.request, self.target.context_limit)
-        if prefill.done >= padded:
+        if prefill.end is None:
+            self._begin(prefill)
+        if prefill.done >= prefill.end:
             return 0
-        start, end = prefill.done, min(prefill.done + PREFILL_CHUNK, padded)
+        start, end = prefill.done, min(prefill.done + PREFILL_CHUNK, prefill.end)
         chunk = prefix[start:end] + [prefix[-1]] * max(0, end - max(start, len(prefix)))
         if prefill.cache is None:
             prefill.cache = self.target.new_cache()
@@ -254,6 +261,19 @@ class BatchEngine:
         prefill.done = end
         return end - start
 
+    def _begin(self, prefill: _Prefill) -> None:
+        """Before a prefill's first chunk (not at admission: a prompt admitted beside another that shares its
+        beginning finds it kept once that one's prefill is done): start after the longest kept prefix its prompt
+        shares (prefix.py); what is left is padded to a multiple of PREFILL_STEP within the context."""
+        prefix = prefill.request.input_ids[:-1]
+        reused = self.prefixes.longest(prefix, self.drafters[prefill.slot].hidden_layers)
+        if reused is not None:
+            prefill.cache = self.target.new_cache()
+            prefill.parts = {layer: [states] for layer, states in reused.load(prefill.cache).items()}
+            prefill.done = prefill.reused = reused.positions
+        left = len(prefix) - prefill.done
+        prefill.end = min(prefill.done + -(-left // PREFILL_STEP) * PREFILL_STEP, self.target.context_limit)
+
     def _start(self, prefill: _Prefill) -> None:
         """A prompt prefilled: its keys and values into a new cache row, the slot's drafter told the prompt."""
         request, drafter = prefill.request, self.drafters[prefill.slot]
@@ -264,11 +284,15 @@ class BatchEngine:
             values = [layer.values for layer in prefill.cache.layers]
         self.cache.add_row(keys, values, len(committed) - 1)
         hidden = {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in prefill.parts.items()}
+        if prefill.cache is not None:
+            self.prefixes.keep(committed[:-1], prefill.cache, hidden)
         drafter.reset()
         drafter.observe(Observation(tuple(committed), hidden))
         generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
         started = prefill.started
-        running = _Running(request, prefill.slot, committed, generator, started, time.perf_counter() - started)
+        running = _Running(
+            request, prefill.slot, committed, generator, started, time.perf_counter() - started, prefill.reused
+        )
         running.drafter_before = drafter.stats()
         self.running.append(running)
 
@@ -404,15 +428,14 @@ class BatchEngine:
         by_source = drafter.stats().accepted_since(running.drafter_before)
         drafter.reset()  # the request's own state (its context, a head's cache over it) is not kept while it idles
         return Finished(
-            running.request, tuple(running.new_tokens), stats, running.started, drafter.describe(), by_source
+            running.request,
+            tuple(running.new_tokens),
+            stats,
+            running.started,
+            drafter.describe(),
+            by_source,
+            running.cached_tokens,
         )
-
-
-def _padded_prefix(request: BatchRequest, context_limit: int) -> int:
-    """The positions a request's prefill forwards: its prompt less the last token, padded to a multiple of
-    PREFILL_STEP within the context."""
-    length = len(request.input_ids) - 1
-    return min(-(-length // PREFILL_STEP) * PREFILL_STEP, context_limit)
 
 
 def share_histories(first: Drafter, drafter: Drafter) -> None:

@@ -41,6 +41,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     speculation: dict  # the response's "selfspec" field
+    cached_tokens: int = 0  # prompt tokens whose prefill a kept prefix spared (usage.prompt_tokens_details)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,12 @@ class Scheduler:
             "queued_s": round(max(0.0, result.admitted - job.submitted), 4),
         }
         self.counts["completed"] += 1
-        job.sink(Outcome(flight.reply.text, finish_reason, len(job.request.input_ids), stats.new_tokens, speculation))
+        prompt_tokens = len(job.request.input_ids)
+        job.sink(
+            Outcome(
+                flight.reply.text, finish_reason, prompt_tokens, stats.new_tokens, speculation, result.cached_tokens
+            )
+        )
 
     def _fail_all(self, error: Exception) -> None:
         """A step failed: every job in flight gets a 500 (the trace goes to the server's log) and the engine starts
