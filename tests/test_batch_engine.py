@@ -265,6 +265,7 @@ def test_what_the_engine_keeps_between_requests_stays_bounded(monkeypatch):
     freed goes back to the system after each step that ended one. Greedy replies stay each one's alone."""
     import selfspec.batch.engine as engine_module
     from selfspec.batch.cache import MIN_CAPACITY
+    from selfspec.batch.prefix import ENTRIES, MAX_POSITIONS
 
     trims = []
     monkeypatch.setattr(engine_module, "release_freed_memory", lambda: trims.append(1) or True)
@@ -286,6 +287,8 @@ def test_what_the_engine_keeps_between_requests_stays_bounded(monkeypatch):
     assert any(capacity == MIN_CAPACITY for capacity, _ in after_long)  # shrunk once it left
     assert all(capacity <= 3 * max(MIN_CAPACITY, longest) for capacity, longest in after_long[-5:])
     assert engine.cache.capacity == 0 and engine.cache.layers[0].keys is None  # idle: no storage held
+    kept = engine.prefixes.entries  # the kept prompt prefixes: a few, each cut short (the long prompt's too)
+    assert 1 <= len(kept) <= ENTRIES and all(entry.keys[0].shape[2] <= MAX_POSITIONS for entry in kept)
     histories = {id(drafter.drafter.history) for drafter in engine.drafters}
     assert len(histories) == 1 and len(engine.drafters[0].drafter.history) <= 64  # one history, capped once
     alone_make = lambda: create_drafter("none", target)  # noqa: E731
