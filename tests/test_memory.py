@@ -4,6 +4,7 @@ to the system after it."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -13,7 +14,15 @@ import pytest
 import torch
 
 from selfspec import SelfSpec
-from selfspec.memory import HUGE_PAGE, KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, TENSOR_ALIGNMENT, into_huge_pages
+from selfspec.memory import (
+    HUGE_PAGE,
+    KERNEL_CACHE_ENTRIES,
+    KERNEL_CACHE_VARIABLES,
+    POPULATE_BYTES,
+    TENSOR_ALIGNMENT,
+    into_huge_pages,
+    populated_zeros,
+)
 from selfspec.models import load_target
 
 from .helpers import make_tiny_target
@@ -158,3 +167,29 @@ def test_copies_on_huge_pages_equal_the_originals_and_outlive_them():
         assert copy.dtype == tensor.dtype and copy.is_contiguous() and torch.equal(copy, tensor)
     copies[0].add_(1)  # the copies are writable, and their own memory
     assert torch.equal(copies[0], expected[0] + 1)
+
+
+def _mapping_starts() -> set[int]:
+    with open("/proc/self/maps") as maps:
+        return {int(line.split("-", 1)[0], 16) for line in maps}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps and MAP_POPULATE are Linux's")
+def test_large_zero_tensors_are_mappings_of_their_own_filled_in_at_once():
+    """The batch engine's cache storage: zeros, writable, in a mapping of its own (its pages already resident) that is
+    unmapped once the tensor and its views are gone; small ones are ordinary tensors."""
+    like = torch.empty(0, dtype=torch.float64)
+    shape = (3, 2, POPULATE_BYTES // 8 // 6 + 1)  # just over POPULATE_BYTES
+    tensor = populated_zeros(shape, like)
+    assert tensor.shape == shape and tensor.dtype == torch.float64 and not tensor.any()
+    start = tensor.untyped_storage().data_ptr()
+    assert start in _mapping_starts()
+    view = tensor[1]
+    del tensor
+    view.fill_(2.0)  # the view keeps the mapping
+    assert view.sum() == 2.0 * view.numel() and start in _mapping_starts()
+    del view
+    gc.collect()
+    assert start not in _mapping_starts()
+    small = populated_zeros((4, 4), like)
+    assert small.shape == (4, 4) and not small.any() and small.untyped_storage().data_ptr() not in _mapping_starts()

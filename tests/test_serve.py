@@ -132,7 +132,9 @@ def test_greedy_chat_equals_generate_and_plain_decoding(server, stream):
             "total_tokens": len(ids) + len(expected.token_ids),
         }
         # the chat template's opening, shared with the prompt before, was kept and not forwarded again
-        shared = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+        shared = next(
+            (i for i, (a, b) in enumerate(zip(previous, ids, strict=False)) if a != b), min(len(previous), len(ids))
+        )
         assert min(shared, len(ids) - 1) <= cached <= len(ids) - 1 and (not previous or cached > 0)
         previous = ids
         assert stats["target_forwards"] == expected.stats.target_forwards

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..execution.kv_storage import WrittenInPlace
+from ..memory import populated_zeros
 
 MIN_CAPACITY = 256  # positions reserved per row at least; storage grows to 1.5x what is needed (`_capacity`)
 
@@ -55,7 +56,7 @@ class RaggedStorage:
         capacity = max(_capacity(needed), self.capacity)
         shape = (self.num_layers, max(rows, self.rows), kv_heads, capacity, head_dim)
         old = (self.keys, self.values)
-        self.keys, self.values = like.new_zeros(shape), like.new_zeros(shape)
+        self.keys, self.values = populated_zeros(shape, like), populated_zeros(shape, like)
         if old[0] is not None:
             for new, previous in zip((self.keys, self.values), old, strict=True):
                 new[:, : previous.shape[1], :, : previous.shape[3]] = previous
@@ -80,7 +81,11 @@ class RaggedStorage:
         if self.keys is None or self.capacity <= 2 * _capacity(longest):
             return False
         capacity = _capacity(longest)
-        self.keys, self.values = (store[:, :, :, :capacity].clone() for store in (self.keys, self.values))
+        shape = (*self.keys.shape[:3], capacity, self.keys.shape[4])
+        old = (self.keys, self.values)
+        self.keys, self.values = populated_zeros(shape, old[0]), populated_zeros(shape, old[1])
+        for new, previous in zip((self.keys, self.values), old, strict=True):
+            new.copy_(previous[:, :, :, :capacity])
         return True
 
 
