@@ -40,6 +40,17 @@ class RaggedStorage:
         self.num_layers = num_layers
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._views: tuple[tuple, list] = ((), [])  # (storage, rows) -> each layer's views: `layer_views`
+
+    def layer_views(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values) of the first `rows` rows, [rows, kv_heads, capacity, head_dim] views, made once
+        for a storage and a row count: a compiled step reads every layer's three or four times (on SmolLM2-135M,
+        some 180 slicing calls a step, 0.3 ms of a 14 ms step of four requests, before)."""
+        key = (self.keys, self.values, rows)
+        if len(self._views[0]) != 3 or any(a is not b for a, b in zip(self._views[0], key, strict=True)):
+            views = list(zip(self.keys[:, :rows].unbind(0), self.values[:, :rows].unbind(0), strict=True))
+            self._views = (key, views)
+        return self._views[1]
 
     @property
     def capacity(self) -> int:
@@ -56,6 +67,7 @@ class RaggedStorage:
         capacity = max(_capacity(needed), self.capacity)
         shape = (self.num_layers, max(rows, self.rows), kv_heads, capacity, head_dim)
         old = (self.keys, self.values)
+        self._views = ((), [])
         self.keys, self.values = populated_zeros(shape, like), populated_zeros(shape, like)
         if old[0] is not None:
             for new, previous in zip((self.keys, self.values), old, strict=True):
@@ -77,12 +89,14 @@ class RaggedStorage:
         if rows == 0:
             replaced = self.keys is not None
             self.keys = self.values = None
+            self._views = ((), [])
             return replaced
         if self.keys is None or self.capacity <= 2 * _capacity(longest):
             return False
         capacity = _capacity(longest)
         shape = (*self.keys.shape[:3], capacity, self.keys.shape[4])
         old = (self.keys, self.values)
+        self._views = ((), [])
         self.keys, self.values = populated_zeros(shape, old[0]), populated_zeros(shape, old[1])
         for new, previous in zip((self.keys, self.values), old, strict=True):
             new.copy_(previous[:, :, :, :capacity])
@@ -119,19 +133,19 @@ class RaggedLayer(DynamicLayer, WrittenInPlace):
     @property
     def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows in flight's (keys, values) storage, [rows, kv_heads, capacity, head_dim] views (None: none yet)."""
-        store = self.store
-        if store is None:
+        if self.shared.keys is None:
             return None
-        rows = len(self.lengths)
-        return store[0][:rows], store[1][:rows]
+        return self.shared.layer_views(len(self.lengths))[self.index]
 
     def reserve(self, needed: int) -> None:
-        self._reserve(len(self.lengths), needed, self.store[0])
+        shared, rows = self.shared, len(self.lengths)
+        if shared.keys is None or shared.rows < rows or shared.capacity < needed:
+            self._reserve(rows, needed, self.store[0])
 
     def mark_filled(self, end: int) -> None:
         """A step's positions [length, end) of every row were written: attention reads [0, end)."""
-        rows, (keys, values) = len(self.lengths), self.store
-        self.keys, self.values = keys[:rows, :, :end], values[:rows, :, :end]
+        keys, values = self.storage
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rows, n = key_states.shape[0], key_states.shape[2]
