@@ -98,7 +98,7 @@ class _Running:
     generator: torch.Generator
     started: float
     prefill_s: float
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # its prompt's leading positions copied from a kept prefix (Finished.cached_tokens)
     new_tokens: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)

@@ -26,7 +26,7 @@ ENTRIES = 4  # prompts whose prefixes are kept (the least recently used one goes
 MAX_POSITIONS = 256  # a kept prefix's positions at most
 
 
-@dataclass
+@dataclass(eq=False)  # entries are told apart by identity (`longest` moves one to the end)
 class _Entry:
     tokens: tuple[int, ...]
     keys: list[torch.Tensor]  # a layer's keys over the positions: [1, kv_heads, positions, head_dim]
