@@ -70,13 +70,18 @@ class RaggedStorage:
         if self.keys is not None and self.rows >= rows and self.capacity >= needed:
             return
         capacity = max(_capacity(needed), self.capacity)
-        shape = (self.num_layers, max(rows, self.rows), kv_heads, capacity, head_dim)
+        self._replace((self.num_layers, max(rows, self.rows), kv_heads, capacity, head_dim), like)
+
+    def _replace(self, shape: tuple[int, ...], like: torch.Tensor) -> None:
+        """New storage of `shape` (populated: memory.populated_zeros) holding what the old one held where they
+        overlap; the layers' views of the old one are dropped."""
         old = (self.keys, self.values)
         self._views = _NO_VIEWS
         self.keys, self.values = populated_zeros(shape, like), populated_zeros(shape, like)
         if old[0] is not None:
+            rows, capacity = min(shape[1], old[0].shape[1]), min(shape[3], old[0].shape[3])
             for new, previous in zip((self.keys, self.values), old, strict=True):
-                new[:, : previous.shape[1], :, : previous.shape[3]] = previous
+                new[:, :rows, :, :capacity] = previous[:, :rows, :, :capacity]
 
     def keep(self, rows: torch.Tensor, sources: torch.Tensor, destinations: torch.Tensor) -> None:
         """In every layer, position sources[i, j] of row rows[i] moves to destinations[i, j] (all read first)."""
@@ -98,13 +103,7 @@ class RaggedStorage:
             return replaced
         if self.keys is None or self.capacity <= 2 * _capacity(longest):
             return False
-        capacity = _capacity(longest)
-        shape = (*self.keys.shape[:3], capacity, self.keys.shape[4])
-        old = (self.keys, self.values)
-        self._views = _NO_VIEWS
-        self.keys, self.values = populated_zeros(shape, old[0]), populated_zeros(shape, old[1])
-        for new, previous in zip((self.keys, self.values), old, strict=True):
-            new.copy_(previous[:, :, :, :capacity])
+        self._replace((*self.keys.shape[:3], _capacity(longest), self.keys.shape[4]), self.keys)
         return True
 
 

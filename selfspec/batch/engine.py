@@ -86,7 +86,7 @@ class _Prefill:
     cache: object = None  # the target's own cache over the prompt so far
     done: int = 0  # prompt positions in the cache (padding included): forwarded, or copied from a kept prefix
     end: int | None = None  # the positions its prefill forwards to (padding included); None: not begun
-    reused: int = 0  # leading positions copied from a kept prefix (prefix.py), not forwarded
+    cached_tokens: int = 0  # leading positions copied from a kept prefix (prefix.py), not forwarded
     parts: dict = field(default_factory=dict)  # hidden layer -> the real positions' states, chunk by chunk
 
 
@@ -270,7 +270,7 @@ class BatchEngine:
         if reused is not None:
             prefill.cache = self.target.new_cache()
             prefill.parts = {layer: [states] for layer, states in reused.load(prefill.cache).items()}
-            prefill.done = prefill.reused = reused.positions
+            prefill.done = prefill.cached_tokens = reused.positions
         left = len(prefix) - prefill.done
         prefill.end = min(prefill.done + -(-left // PREFILL_STEP) * PREFILL_STEP, self.target.context_limit)
 
@@ -291,7 +291,7 @@ class BatchEngine:
         generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
         started = prefill.started
         running = _Running(
-            request, prefill.slot, committed, generator, started, time.perf_counter() - started, prefill.reused
+            request, prefill.slot, committed, generator, started, time.perf_counter() - started, prefill.cached_tokens
         )
         running.drafter_before = drafter.stats()
         self.running.append(running)
