@@ -68,17 +68,22 @@ class PackedTokenIndex:
     def continuations(self, context: list[int], depth: int, max_paths: int) -> list[list[int]]:
         paths: list[list[int]] = []
         seen_first: set[int] = set()
-        for n in self.sizes if depth > 0 else ():
+        if depth <= 0:
+            return paths
+        for n in self.sizes:
             if len(context) < n:
                 continue
-            pattern = np.asarray(context[-n:], dtype=np.int64)
-            key = _hashes(pattern, n, n)[0]
-            lo = np.searchsorted(self._hashes[n], key, side="left")
-            hi = np.searchsorted(self._hashes[n], key, side="right")
+            pattern = context[-n:]
+            key = _key(pattern)
+            hashes = self._hashes[n]
+            lo = int(hashes.searchsorted(key, side="left"))
+            hi = int(hashes.searchsorted(key, side="right"))
+            if lo == hi:  # most sizes, most steps: no n-gram with this hash
+                continue
             ends = self._ends[n][lo:hi][::-1]  # most recent first
             ends = ends[ends < len(self.tokens)]  # an n-gram at the very end has no continuation yet
-            for offset in range(n):  # drop hash collisions
-                ends = ends[self.tokens[ends - n + offset] == pattern[offset]]
+            for offset, token in enumerate(pattern):  # drop hash collisions
+                ends = ends[self.tokens[ends - n + offset] == token]
             firsts = self.tokens[ends]
             _, first_at = np.unique(firsts, return_index=True)  # the most recent occurrence of each next token
             for at in np.sort(first_at).tolist():
@@ -90,3 +95,14 @@ class PackedTokenIndex:
                 if len(paths) == max_paths:
                     return paths
         return paths
+
+
+def _key(pattern: list[int]) -> np.uint64:
+    """_hashes' hash of the one n-gram `pattern`, worked out on Python ints: numpy's per-call cost on a few tokens
+    dominated a lookup (the same 1,916 lookups of held-out prompts in a history of 4,497 tokens: 91 us each before, 22
+    after, with this and skipping the sizes whose hash is absent). `auto` asks `history` for every request of a batch
+    at every step."""
+    multiplier, key = int(_MULTIPLIER), 0
+    for token in pattern:
+        key = (key * multiplier + token) & 0xFFFFFFFFFFFFFFFF
+    return np.uint64(key)
