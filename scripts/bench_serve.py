@@ -7,6 +7,10 @@ time the last requests of a part take to drain, with fewer than c in flight, is 
 
     python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 32 --max-tokens 128
 
+`--vs` names the second server's drafter (`none` by default); `--vs` equal to `--drafter` (an A/A run) measures how far
+two identical servers differ, the noise any ratio of a run is read against. Each part's pair of runs also gives a
+ratio of its own: results.md lists their range beside each level's ratio.
+
 Each server is a `selfspec serve` process of its own, as a user runs it (decoding on its main thread: a second server's
 decoding thread in one process would slow both, Scheduler.work_here), on a free loopback port, driven by client
 processes that stream (server-sent events) and time each chunk. Prompts: the held-out ShareGPT prompts the bench uses.
@@ -113,12 +117,17 @@ def run_level(urls: dict[str, str], prompts: list[str], concurrency: int, max_to
     part_size = part_size_for(concurrency, len(prompts))
     parts = [prompts[start : start + part_size] for start in range(0, len(prompts), part_size)]
     collected = {name: ([], 0.0) for name in urls}
+    part_rates: dict[str, list[float]] = {name: [] for name in urls}  # each part's tokens/s, part by part
     for index, part in enumerate(parts):
         names = list(urls) if (index % 2 == 0) != flip else list(urls)[::-1]
         for name in names:
             results, wall = run_requests(urls[name], part, concurrency, max_tokens)
             collected[name] = (collected[name][0] + results, collected[name][1] + wall)
-    return [{"server": name, **summarize(results, wall, concurrency)} for name, (results, wall) in collected.items()]
+            part_rates[name].append(round(sum(result["tokens"] for result in results) / wall, 2))
+    return [
+        {"server": name, **summarize(results, wall, concurrency), "part_tokens_per_s": part_rates[name]}
+        for name, (results, wall) in collected.items()
+    ]
 
 
 def part_size_for(concurrency: int, requests: int) -> int:
@@ -144,6 +153,13 @@ def summarize(results: list[dict], wall: float, concurrency: int) -> dict:
     }
 
 
+def _part_ratios(row: dict, baseline: dict) -> str:
+    """The range of the level's part by part ratios (each part ran on both servers, one after the other)."""
+    pairs = zip(row.get("part_tokens_per_s", ()), baseline.get("part_tokens_per_s", ()), strict=True)
+    ratios = [on / off for on, off in pairs]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+
+
 def _percentile(values: list[float], share: float) -> float:
     return values[min(len(values) - 1, int(share * len(values)))]
 
@@ -152,19 +168,23 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = [
-        f"# selfspec serve under load: {meta['model']}, drafter {meta['drafter']} against none",
+        f"# selfspec serve under load: {meta['model']}, drafter {meta['drafter']} (on) against "
+        f"{meta.get('vs', 'none')} (off)",
         "",
         f"{meta['date']}, {meta['machine']}, path {meta['path']}, {meta['slots']} slots, {meta['requests']} requests "
         f"a level, {meta['max_tokens']} tokens each, held-out ShareGPT prompts. Command: `{meta['command']}`",
         "",
-        "| concurrency | server | tokens/s | vs off | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| concurrency | server | tokens/s | vs off | parts vs off | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms "
+        "| errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     off = {row["concurrency"]: row for row in rows if row["server"] == "off"}
     for row in rows:
-        ratio = row["tokens_per_s"] / off[row["concurrency"]]["tokens_per_s"]
+        baseline = off[row["concurrency"]]
+        ratio = row["tokens_per_s"] / baseline["tokens_per_s"]
         lines.append(
             f"| {row['concurrency']} | {row['server']} | {row['tokens_per_s']:.1f} | {ratio:.2f}x | "
+            f"{_part_ratios(row, baseline)} | "
             f"{row['ttft_p50_s']:.2f} | {row['ttft_p99_s']:.2f} | {row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} | "
             f"{row['errors']} |"
         )
@@ -191,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--path", default="auto", help="the servers' execution path (serve's --path)")
     parser.add_argument("--drafter", default="auto")
+    parser.add_argument("--vs", default="none", help="the second server's drafter (--drafter again: an A/A run)")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--requests", type=int, default=32, help="requests per level and server")
@@ -202,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = {}
     rows = []
     try:
-        for name, drafter in (("on", args.drafter), ("off", "none")):
+        for name, drafter in (("on", args.drafter), ("off", args.vs)):
             servers[name] = ServeProcess(args.model, drafter, args.slots, args.max_tokens, args.path)
             print(servers[name].banner, flush=True)
         paths = {execution_path(server.url) for server in servers.values()}
@@ -222,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "model": args.model if args.model != "default" else "SmolLM2-135M-Instruct",
         "drafter": args.drafter,
+        "vs": args.vs,
         "path": "/".join(sorted(paths)),
         "slots": args.slots,
         "requests": args.requests,
