@@ -48,10 +48,10 @@ MAX_PAUSE = 512
 MAX_IDLE = 8  # the most steps asking no drafter after a step where none drafted
 PLAIN_DECAY = 0.8  # weight of the older plain steps in a batch size's plain-step time
 # A window pays when its rate reaches this times the plain rate. It was 1.05 (a draw within the noise is not a gain)
-# while windows were 8 steps; over 24 the noise is smaller, and the margin's cost showed in two of the pauses' paths:
-# at two requests kept busy (engine alone, 8 rounds) one 1.05 engine ran 2,764 of its steps paused against 880 for
-# 1.0 (1.035x against 1.127x `none`, 7 rounds of 8 lower), and in a repeat 1.148x against 1.154x (919 and 777 paused);
-# at four 1.043x against 1.033x, with eight queued 0.989x against 0.992x.
+# while windows were 8 steps; over 24 the noise is smaller, and the margin could trap a batch size in long pauses: at
+# two requests kept busy (engine alone, 8 rounds) a 1.05 engine ran 2,764 of its steps paused against 880 for 1.0
+# (1.035x against 1.127x `none`, lower in 7 rounds of 8); a repeat gave 1.148x against 1.154x (919 and 777 paused),
+# four requests 1.043x against 1.033x, eight queued for four slots 0.989x against 0.992x.
 MARGIN = 1.0
 PRICE_SAMPLES = 8  # the latest step times a batch price is the median of
 PRICE_MIN_SAMPLES = 3  # steps of a (rows, width) measured before their median replaces the curve's estimate

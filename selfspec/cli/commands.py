@@ -120,7 +120,9 @@ def _serve(args) -> None:
         scheduler = Scheduler(spec, args.slots)
         # every slot's drafter built now, not on a request: a slot's first request otherwise waited for it (auto:
         # 3 s for the first, 0.1 s for each other, on the 2-core Zen 4)
-        drafter = [scheduler.engine.slot_drafter(slot) for slot in range(args.slots)][0].describe()
+        for slot in range(args.slots):
+            scheduler.engine.slot_drafter(slot)
+        drafter = scheduler.engine.slot_drafter(0).describe()
     except BaseException:
         sock.close()
         raise
