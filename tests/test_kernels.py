@@ -310,6 +310,8 @@ def test_profile_recalibrate_measures_the_row_split_anew(tiny_checkpoint, capsys
 
 
 def test_a_machine_without_a_profile_measures_one_once(tmp_path, monkeypatch, capsys):
+    # Every timing counts as quiet: the suite's other worker made a CI run's quick curve look busy (1.9x) once.
+    monkeypatch.setattr(calibration_module, "BUSY_SPREAD", float("inf"))
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SELFSPEC_AUTO_PROFILE", "1")
     target = make_tiny_target("llama", path="fast")
