@@ -5,7 +5,7 @@ concurrency c, c clients each send their next request as soon as their last one 
 servers' users make it), over parts of 4c requests (at most half the level's, so that the servers alternate): the
 time the last requests of a part take to drain, with fewer than c in flight, is a small share of the part.
 
-    python scripts/bench_serve.py --drafter auto --concurrency 1,2,4,8 --requests 32 --max-tokens 128
+    python scripts/bench_serve.py --concurrency 1,2,4,8 --requests 32 --max-tokens 128   # serve's drafter against none
 
 `--vs` names the second server's drafter (`none` by default); `--vs` equal to `--drafter` (an A/A run) measures how far
 two identical servers differ, the noise any ratio of a run is read against. Each part's pair of runs also gives a
@@ -32,6 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from selfspec.bench.report import save_chart
+from selfspec.cli.parser import SERVE_DRAFTER
 from selfspec.files import atomic_write_text
 from selfspec.training.data.prompt_sets import load_prompt_set
 
@@ -210,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--path", default="auto", help="the servers' execution path (serve's --path)")
-    parser.add_argument("--drafter", default="auto")
+    parser.add_argument(
+        "--drafter", default=SERVE_DRAFTER, help=f"the server's drafter (default: serve's, {SERVE_DRAFTER})"
+    )
     parser.add_argument("--vs", default="none", help="the second server's drafter (--drafter again: an A/A run)")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--concurrency", default="1,2,4,8")

@@ -147,11 +147,13 @@ def soak(args, pool: ProcessPoolExecutor) -> dict:
     import torch
 
     from selfspec import SelfSpec
+    from selfspec.cli.parser import SERVE_DRAFTER
     from selfspec.serve import Scheduler, ServedModel, ServerThread
 
     if args.threads:
         torch.set_num_threads(args.threads)
     texts = prompts()
+    args.drafter = args.drafter or SERVE_DRAFTER
     spec = SelfSpec(args.model, drafter=args.drafter, path=args.path)
     spec.target.execution.prepare()  # as `selfspec serve` does
     scheduler = Scheduler(spec, args.slots)
@@ -288,7 +290,7 @@ def write_outputs(out: Path, meta: dict, result: dict, summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--drafter", default="auto")
+    parser.add_argument("--drafter", default=None, help="the server's drafter (default: serve's)")
     parser.add_argument("--path", default="fast", help="fast (eager steps) or compiled (stored graphs)")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--clients", type=int, default=4, help="client processes, one request in flight each")

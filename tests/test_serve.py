@@ -362,6 +362,7 @@ def test_cli_bad_input_is_one_line_before_the_model_loads(tiny_checkpoint, tmp_p
             (tiny_checkpoint, ["--port", "70000"], "--port"),
             (tiny_checkpoint, ["--max-new-tokens", "0"], "max_new_tokens"),
             (tiny_checkpoint, ["--drafter", "nope"], "unknown drafter"),
+            (tiny_checkpoint, ["--heads", str(tmp_path)], "--heads needs --drafter"),  # the default reads no heads
             (missing, ["--port", "0"], "does not exist"),
         ):
             assert main(["serve", "--model", str(model), *extra]) == 2
@@ -404,14 +405,16 @@ def generate_cli(args: list[str], capsys) -> str:
 
 
 def test_the_serve_command_answers_as_generate_prints(tiny_checkpoint, capsys):
+    """`selfspec serve` with its defaults (drafter ngram) replies what `generate` prints."""
     prompt = PROMPTS[1]
     expected = generate_cli(["--model", str(tiny_checkpoint), "--drafter", "ngram", "--prompt", prompt], capsys)
-    process, url = start_cli_server(["--model", str(tiny_checkpoint), "--drafter", "ngram"], timeout=120)
+    process, url = start_cli_server(["--model", str(tiny_checkpoint)], timeout=120)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}])
         assert reply.choices[0].message.content == expected
+        assert reply.model_extra["selfspec"]["drafter"] == "ngram"  # serve's default drafter
         assert reply.usage.completion_tokens <= 256  # generate's default --max-new-tokens, the server's too
         assert health(url)["completed"] == 1
     finally:

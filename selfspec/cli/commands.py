@@ -101,7 +101,15 @@ def _serve(args) -> None:
     from ..execution.compiled import MAX_BATCH
     from ..models import loads_four_bit
     from ..serve import Scheduler, ServedModel, listen, run
+    from .parser import SERVE_DRAFTER
 
+    if args.drafter is None:
+        if args.heads:
+            raise SelfspecError(
+                f"--heads needs --drafter with serve (its default, {SERVE_DRAFTER}, reads no heads): e.g. --drafter "
+                f"auto --heads {args.heads}"
+            )
+        args.drafter = SERVE_DRAFTER
     check_request(args.drafter, args.max_new_tokens)  # cheap checks first, then the port, then the model
     if not 0 <= args.port < 65536:
         raise SelfspecError(f"--port must be between 0 and 65535, got {args.port}")

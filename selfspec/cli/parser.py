@@ -36,8 +36,14 @@ def _add_model_args(parser: argparse.ArgumentParser, path: bool = True) -> None:
     )
 
 
-def _add_drafter_args(parser: argparse.ArgumentParser, drafter_help: str) -> None:
-    parser.add_argument("--drafter", default="auto", help=drafter_help)
+# `serve`'s drafter when none is named. With several requests in each step a drafter's own time delays them all, and
+# prompt lookup alone served more than `auto` (whose trained heads take milliseconds a request each step) in every
+# measurement at 2 and 4 requests on the 2-core Zen 5: docs/serve.md, "Which drafter a server runs".
+SERVE_DRAFTER = "ngram"
+
+
+def _add_drafter_args(parser: argparse.ArgumentParser, drafter_help: str, default: str | None = "auto") -> None:
+    parser.add_argument("--drafter", default=default, help=drafter_help)
     parser.add_argument("--heads", default=None, help="directory of trained heads, for drafters that have them")
 
 
@@ -108,7 +114,12 @@ def _add_decoding_commands(commands: argparse._SubParsersAction) -> None:
         "serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions): docs/serve.md"
     )
     _add_model_args(serve)
-    _add_drafter_args(serve, "drafter spec, as for generate (default: auto)")
+    _add_drafter_args(
+        serve,
+        f"drafter spec, as for generate (default: {SERVE_DRAFTER}, prompt lookup: with several requests a step it "
+        "serves more than auto; docs/serve.md)",
+        default=None,
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (the address is printed)")
     serve.add_argument(
