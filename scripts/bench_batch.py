@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = {
             "machine": describe_cpu(),
             "path": target.execution.name,
+            "commit": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python scripts/bench_batch.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
