@@ -53,20 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="a folder for results.json")
     args = parser.parse_args(argv)
     names = args.drafters.split(",")
-    if len(set(names)) != len(names) or args.slots < 1 or args.queue < 1 or args.rounds < 1:
-        raise SystemExit("bench_batch: give distinct drafters, and --slots, --queue and --rounds of at least 1")
+    texts = [item.text for item in load_prompt_set("sharegpt")]
+    needed = 2 + args.rounds * args.per_round
+    if len(set(names)) != len(names) or min(args.slots, args.queue, args.rounds, args.per_round) < 1:
+        print(
+            "bench_batch: give distinct drafters, and --slots, --queue, --rounds and --per-round of at least 1",
+            file=sys.stderr,
+        )
+        return 2
+    if needed > len(texts):  # checked before the model loads
+        print(
+            f"bench_batch: {args.rounds} rounds of {args.per_round} need {needed} prompts; there are {len(texts)}: "
+            "pass fewer --rounds or --per-round",
+            file=sys.stderr,
+        )
+        return 2
     first = SelfSpec(args.model, drafter=names[0], path=args.path)
     target = first.target
     specs = {name: first if name == names[0] else SelfSpec(target, drafter=name) for name in names}
-    prompts = [
-        target.encode_messages([{"role": "user", "content": item.text}])[0].tolist()
-        for item in load_prompt_set("sharegpt")
-    ]
-    needed = 2 + args.rounds * args.per_round
-    if needed > len(prompts):
-        raise SystemExit(
-            f"bench_batch: {args.rounds} rounds of {args.per_round} need {needed} prompts; there are {len(prompts)}"
-        )
+    prompts = [target.encode_messages([{"role": "user", "content": text}])[0].tolist() for text in texts[:needed]]
     engines = {name: BatchEngine(target, spec.new_drafter, slots=args.slots) for name, spec in specs.items()}
     for engine in engines.values():
         for slot in range(args.slots):
