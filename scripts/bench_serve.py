@@ -39,13 +39,19 @@ from selfspec.training.data.prompt_sets import load_prompt_set
 SERVE = "import sys; from selfspec.cli import main; sys.exit(main())"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServeProcess:
     """`selfspec serve --port 0 ...` started and waited for: `url` once it says where it listens; `stop()` ends it."""
 
     def __init__(self, model: str, drafter: str, slots: int, max_tokens: int, path: str = "auto"):
         command = [sys.executable, "-c", SERVE, "serve", "--model", model, "--drafter", drafter, "--port", "0"]
         command += ["--slots", str(slots), "--max-new-tokens", str(max_tokens), "--path", path]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        # Ctrl-C's default handling in the server, which `stop` relies on, even where this script runs as a shell's
+        # background job (started with SIGINT ignored, which a child inherits: each server then took 30 s to be killed)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
         for line in self.process.stdout:
             found = re.search(r"(http://[^/\s]+)/v1", line)
             if found:

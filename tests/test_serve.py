@@ -370,6 +370,12 @@ def test_cli_bad_input_is_one_line_before_the_model_loads(tiny_checkpoint, tmp_p
             assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and fragment in err, err
 
 
+def default_sigint() -> None:
+    """In the server's process before it starts: Ctrl-C handled as a terminal's is, whatever the suite was started from
+    (a shell's background job starts with SIGINT ignored, and a child inherits that: the server then never stopped)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli_server(args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
     """`selfspec serve ... --port 0` in a subprocess; the process and the base URL it printed."""
     process = subprocess.Popen(
@@ -378,6 +384,7 @@ def start_cli_server(args: list[str], timeout: float) -> tuple[subprocess.Popen,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=default_sigint,
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.append(process.stdout.readline()), daemon=True)
