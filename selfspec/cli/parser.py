@@ -37,9 +37,9 @@ def _add_model_args(parser: argparse.ArgumentParser, path: bool = True) -> None:
 
 
 # `serve`'s drafter when none is named. With several requests in each step a drafter's own time delays them all, and
-# prompt lookup alone served more than `auto` (whose trained heads take milliseconds a request each step) in all ten
-# measurements at four requests and four of five at two on the 2-core Zen 5: docs/serve.md, "Which drafter a server
-# runs".
+# prompt lookup alone served more than `auto` (whose trained heads take milliseconds a request each step) in ten of
+# eleven measurements at four requests and four of five at two on the 2-core Zen 5: docs/serve.md, "Which drafter a
+# server runs".
 SERVE_DRAFTER = "ngram"
 
 
