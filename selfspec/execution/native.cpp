@@ -4,8 +4,8 @@
 // [out, in] stored as it is (no packed copy). The fast path's linear layers call it below their row split and the
 // compiled `few` graph calls it for every product. At one to a few rows a product is bound by how fast the weight
 // streams from memory: threads split the output features, and each block of weight rows is read from memory once (one
-// input row meets eight weight rows at a time, two rows eight, three or four rows four, all in one pass; more rows
-// pass over a block of four, kept in the L1 cache, four at a time), with the lines kFarAhead bytes further on asked
+// input row meets eight weight rows at a time, two rows eight in one pass, three or four rows eight in two passes of
+// two, the second from the L1 cache; more rows pass over a block of four, kept in L1, four at a time), with the lines kFarAhead bytes further on asked
 // for as each streams. On the 2-core EPYC all of SmolLM2's products at 4 / 8 / 16 rows took 0.95-1.00 / 0.97-1.02 /
 // 1.08-1.16x oneDNN's packed kernel with blocks read once, against 1.01-1.12 / 1.21 / 1.53-1.71x when every four rows
 // streamed the weights again (two runs each, 2026-11-27). Every output element is computed the same way whatever the
@@ -58,7 +58,7 @@ inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 constexpr int kFeatures = 8;  // weight rows two input rows meet at once: 16 accumulators of the 32 registers
-constexpr int kQuadFeatures = 4;  // weight rows three or four input rows meet at once: up to 16 accumulators
+constexpr int kQuadFeatures = 4;  // weight rows four input rows meet at once (five or more rows): 16 accumulators
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SELFSPEC_VECTOR 1
 using Vec = __m256;
@@ -70,7 +70,7 @@ inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 constexpr int kFeatures = 4;  // weight rows two input rows meet at once: 8 accumulators of the 16 registers
-constexpr int kQuadFeatures = 2;  // weight rows three or four input rows meet at once: up to 8 accumulators
+constexpr int kQuadFeatures = 2;  // weight rows four input rows meet at once (five or more rows): 8 accumulators
 inline float total(Vec v) {
   __m128 low = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   low = _mm_add_ps(low, _mm_movehl_ps(low, low));
@@ -163,15 +163,37 @@ void one_pass(const float* x, int64_t K, const float* w, const float* bias, floa
       dots<1, 1>(x + r * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + r * N + n, N);
 }
 
-// the features [begin, end) of every input row, each block of weight rows read from memory once. Up to four rows
-// meet a block in one pass. More rows pass over a block of kQuadFeatures weight rows four at a time, the first pass
-// reading it from memory, the others from the L1 cache; the last pass asks for the next block, so that memory keeps
-// streaming while the cached block is computed on.
+// three or four rows over the features [begin, end): two rows meet a block of kFeatures weight rows (as two rows alone
+// do), then the third (and fourth) meet it again from the L1 cache while the next block is asked for. On the 2-core
+// Zen 5, all of SmolLM2's products at 3 / 4 rows took 0.92 / 0.89x the time of one pass of all rows over a block of
+// kQuadFeatures (the batch engine's steps of four requests; interleaved, medians of 31, 2026-11-29).
+void pair_passes(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+                 int64_t begin, int64_t end) {
+  constexpr int F = kFeatures;
+  int64_t n = begin;
+  for (; n + F <= end; n += F) {
+    const float* block = w + n * K;
+    const float* block_bias = bias == nullptr ? nullptr : bias + n;
+    const float* next = n + 2 * F <= end ? block + F * K : nullptr;
+    dots<F, 2>(x, K, block, block_bias, y + n, N, kNoBlock, true);
+    if (rows == 4)
+      dots<F, 2>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
+    else
+      dots<F, 1>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
+  }
+  for (; n < end; n++)
+    for (int64_t row = 0; row < rows; row++)
+      dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
+}
+
+// the features [begin, end) of every input row, each block of weight rows read from memory once. Two rows meet a
+// block in one pass, three or four in two (pair_passes). More rows pass over a block of kQuadFeatures weight rows
+// four at a time, the first pass reading it from memory, the others from the L1 cache; the last pass asks for the
+// next block, so that memory keeps streaming while the cached block is computed on.
 void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
                int64_t begin, int64_t end) {
   if (rows == 2) return one_pass<kFeatures, 2>(x, K, w, bias, y, N, begin, end);
-  if (rows == 3) return one_pass<kQuadFeatures, 3>(x, K, w, bias, y, N, begin, end);
-  if (rows == 4) return one_pass<kQuadFeatures, 4>(x, K, w, bias, y, N, begin, end);
+  if (rows <= 4) return pair_passes(x, rows, K, w, bias, y, N, begin, end);
   constexpr int F = kQuadFeatures;
   int64_t n = begin;
   for (; n + F <= end; n += F) {

@@ -36,8 +36,9 @@ SOURCE = Path(__file__).with_name("native.cpp")
 ENV = "SELFSPEC_NATIVE"  # "0": never built nor loaded
 # bumped when small_rows' speed at some row count changes: row splits stored with an older one are measured again
 # (2: a block of weight rows read from memory once whatever the row count; 3: the next block prefetched at 2+ rows;
-# 4: up to four rows in one pass, and lines asked for 48 KB ahead as the weight streams)
-SMALL_ROWS_REVISION = 4
+# 4: up to four rows in one pass, and lines asked for 48 KB ahead as the weight streams; 5: three or four rows in two
+# passes of two over a block of eight weight rows)
+SMALL_ROWS_REVISION = 5
 DIRECTORY_ENV = "SELFSPEC_KERNELS"  # where the build is kept (default: the selfspec cache's kernels/)
 
 
