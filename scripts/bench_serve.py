@@ -2,8 +2,12 @@
 levels, with speculation on (a drafter) and off (`none`), the two servers taking turns within each level (its
 prompts in parts, each part sent to both, the order alternating) so that drifts of the machine hit both. At
 concurrency c, c clients each send their next request as soon as their last one ends (a sustained load, as the
-servers' users make it), over parts of 4c requests (at most half the level's, so that the servers alternate): the
-time the last requests of a part take to drain, with fewer than c in flight, is a small share of the part.
+servers' users make it), over parts of 4c requests (at most half the level's, so that the servers alternate). Each
+level reports two rates: over its parts' whole time (`tokens/s`), and while all c requests were in the server
+(`steady tokens/s`: the server's `completion_tokens` sampled from /health every SAMPLE_EVERY seconds, over the
+intervals whose both ends saw c or more requests running or queued). The first counts the time a part's last
+requests take to drain with fewer than c in flight, which is not small: at 4 clients, parts of 16 requests had all
+four in flight for 74% and 91% of their time (2026-11-29); the second is the rate at concurrency c.
 
     python scripts/bench_serve.py --concurrency 1,2,4,8 --requests 32 --max-tokens 128   # serve's drafter against none
 
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import re
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -37,6 +43,7 @@ from selfspec.files import atomic_write_text
 from selfspec.training.data.prompt_sets import load_prompt_set
 
 SERVE = "import sys; from selfspec.cli import main; sys.exit(main())"
+SAMPLE_EVERY = 0.2  # seconds between two readings of a server's /health while a part runs
 
 
 def _default_sigint() -> None:
@@ -106,15 +113,57 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft_s": ttft, "itl_s": itl, "tokens": tokens, "wall_s": ended, "error": error}
 
 
-def run_requests(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
-    """`prompts` sent `concurrency` at a time -> each request's result and the wall time of them all."""
+class HealthSampler:
+    """Reads a server's /health every SAMPLE_EVERY seconds on a thread of this process (which only waits on its
+    client processes meanwhile) -> `samples`: (time, completion_tokens, requests running or queued)."""
+
+    def __init__(self, url: str):
+        self.connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+        self.samples: list[tuple[float, int, int]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> HealthSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.connection.close()
+
+    def _poll(self) -> None:
+        while True:
+            self.connection.request("GET", "/health")
+            health = json.loads(self.connection.getresponse().read())
+            in_server = health["running"] + health["queued"]
+            self.samples.append((time.perf_counter(), health["completion_tokens"], in_server))
+            if self.done.wait(SAMPLE_EVERY):
+                return
+
+
+def steady_share(samples: list[tuple[float, int, int]], concurrency: int) -> tuple[int, float]:
+    """(tokens, seconds) over the intervals between two samples that both saw `concurrency` or more requests in the
+    server (running or queued)."""
+    tokens, seconds = 0, 0.0
+    for (t0, n0, in0), (t1, n1, in1) in itertools.pairwise(samples):
+        if in0 >= concurrency and in1 >= concurrency:
+            tokens, seconds = tokens + n1 - n0, seconds + t1 - t0
+    return tokens, seconds
+
+
+def run_requests(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[dict], float, tuple]:
+    """`prompts` sent `concurrency` at a time -> each request's result, the wall time of them all, and the (tokens,
+    seconds) decoded while all `concurrency` were in the server (steady_share)."""
     # Clients in processes of their own: threads of this one would hold the interpreter lock the server's decoding
     # thread needs (one started per batch of requests, before the clock).
     with ProcessPoolExecutor(max_workers=concurrency) as pool:
         list(pool.map(time.sleep, [0.0] * concurrency))
-        began = time.perf_counter()
-        results = list(pool.map(one_request, [url] * len(prompts), prompts, [max_tokens] * len(prompts)))
-        return results, time.perf_counter() - began
+        with HealthSampler(url) as sampler:
+            began = time.perf_counter()
+            results = list(pool.map(one_request, [url] * len(prompts), prompts, [max_tokens] * len(prompts)))
+            wall = time.perf_counter() - began
+        return results, wall, steady_share(sampler.samples, concurrency)
 
 
 def run_level(urls: dict[str, str], prompts: list[str], concurrency: int, max_tokens: int, flip: bool) -> list[dict]:
@@ -125,16 +174,28 @@ def run_level(urls: dict[str, str], prompts: list[str], concurrency: int, max_to
     parts = [prompts[start : start + part_size] for start in range(0, len(prompts), part_size)]
     collected = {name: ([], 0.0) for name in urls}
     part_rates: dict[str, list[float]] = {name: [] for name in urls}  # each part's tokens/s, part by part
+    steady = {name: [0, 0.0] for name in urls}  # tokens and seconds with all `concurrency` in the server
     for index, part in enumerate(parts):
         names = list(urls) if (index % 2 == 0) != flip else list(urls)[::-1]
         for name in names:
-            results, wall = run_requests(urls[name], part, concurrency, max_tokens)
+            results, wall, (tokens, seconds) = run_requests(urls[name], part, concurrency, max_tokens)
             collected[name] = (collected[name][0] + results, collected[name][1] + wall)
             part_rates[name].append(round(sum(result["tokens"] for result in results) / wall, 2))
-    return [
-        {"server": name, **summarize(results, wall, concurrency), "part_tokens_per_s": part_rates[name]}
-        for name, (results, wall) in collected.items()
-    ]
+            steady[name][0] += tokens
+            steady[name][1] += seconds
+    rows = []
+    for name, (results, wall) in collected.items():
+        tokens, seconds = steady[name]
+        rows.append(
+            {
+                "server": name,
+                **summarize(results, wall, concurrency),
+                "steady_tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
+                "steady_share": round(seconds / wall, 3),  # of the level's time, all `concurrency` in the server
+                "part_tokens_per_s": part_rates[name],
+            }
+        )
+    return rows
 
 
 def part_size_for(concurrency: int, requests: int) -> int:
@@ -167,6 +228,16 @@ def _part_ratios(row: dict, baseline: dict) -> str:
     return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
 
 
+def _rate(row: dict) -> str:
+    return "-" if row["steady_tokens_per_s"] is None else f"{row['steady_tokens_per_s']:.1f}"
+
+
+def _ratio(row: dict, baseline: dict) -> str:
+    if row["steady_tokens_per_s"] is None or not baseline["steady_tokens_per_s"]:
+        return "-"
+    return f"{row['steady_tokens_per_s'] / baseline['steady_tokens_per_s']:.2f}x"
+
+
 def _percentile(values: list[float], share: float) -> float:
     return values[min(len(values) - 1, int(share * len(values)))]
 
@@ -181,9 +252,13 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
         f"{meta['date']}, {meta['machine']}, path {meta['path']}, {meta['slots']} slots, {meta['requests']} requests "
         f"a level, {meta['max_tokens']} tokens each, held-out ShareGPT prompts. Command: `{meta['command']}`",
         "",
-        "| concurrency | server | tokens/s | vs off | parts vs off | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms "
-        "| errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "`steady`: while all of a level's requests were in the server (running or queued), the share of the level's "
+        "time that was in `share`; `tokens/s` counts the whole time, the parts' last requests draining with fewer in "
+        "flight.",
+        "",
+        "| concurrency | server | tokens/s | vs off | parts vs off | steady tokens/s | steady vs off | share "
+        "| TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     off = {row["concurrency"]: row for row in rows if row["server"] == "off"}
     for row in rows:
@@ -191,10 +266,21 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
         ratio = row["tokens_per_s"] / baseline["tokens_per_s"]
         lines.append(
             f"| {row['concurrency']} | {row['server']} | {row['tokens_per_s']:.1f} | {ratio:.2f}x | "
-            f"{_part_ratios(row, baseline)} | "
+            f"{_part_ratios(row, baseline)} | {_rate(row)} | {_ratio(row, baseline)} | {row['steady_share']:.2f} | "
             f"{row['ttft_p50_s']:.2f} | {row['ttft_p99_s']:.2f} | {row['itl_p50_ms']:.1f} | {row['itl_p99_ms']:.1f} | "
             f"{row['errors']} |"
         )
+    if 1 in off:
+        one = off[1]
+        lines.append("")
+        for row in rows:
+            if row["concurrency"] > 1:
+                lines.append(
+                    f"- {row['concurrency']} requests, {row['server']}: "
+                    f"{row['tokens_per_s'] / one['tokens_per_s']:.2f}x one request's rate on off "
+                    f"({row['tokens_per_s']:.1f} / {one['tokens_per_s']:.1f}); steady {_ratio(row, one)} "
+                    f"({_rate(row)} / {_rate(one)})"
+                )
     atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
     import matplotlib
 

@@ -424,6 +424,7 @@ def test_the_serve_command_answers_as_generate_prints(tiny_checkpoint, capsys):
         assert reply.model_extra["selfspec"]["drafter"] == "ngram"  # serve's default drafter
         assert reply.usage.completion_tokens <= 256  # generate's default --max-new-tokens, the server's too
         assert health(url)["completed"] == 1
+        assert health(url)["completion_tokens"] == reply.usage.completion_tokens  # what a load test samples
     finally:
         stop_cli_server(process)
     assert process.returncode in (0, 130, -signal.SIGINT) and "Traceback" not in process.stderr.read()

@@ -89,6 +89,8 @@ class Scheduler:
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.flights: dict[int, _Flight] = {}  # id(BatchRequest) -> its job
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        # tokens decoded for the requests since the server started (its throughput, as a load test samples it)
+        self.completion_tokens = 0
         self.worker = threading.Thread(target=self._work, name="selfspec-decode", daemon=True)
         self._closing = False
 
@@ -119,6 +121,7 @@ class Scheduler:
             "running": self.engine.admitted,  # decoding, or their prompts being prefilled
             "slots": self.engine.slots,
             **self.counts,
+            "completion_tokens": self.completion_tokens,
         }
 
     def _work(self) -> None:
@@ -159,6 +162,7 @@ class Scheduler:
         flight = _Flight(job, ReplyText(target, request.stop), batch_request)
 
         def on_tokens(token_ids: tuple[int, ...]) -> None:
+            self.completion_tokens += len(token_ids)
             piece = flight.reply.add(token_ids)
             if piece:
                 job.sink(Delta(piece))
