@@ -50,8 +50,8 @@ _TABLE_SIZE = 256  # tree sizes (and batch rows) whose cost a curve keeps worked
 # exponentials a vector at a time (30 layers at 1 / 8 rows 1.1 / 5.9 -> 0.6 / 3.0 ms); the head's proxy: 4 rows a pass;
 # compiled 10, q4 and q4-compiled 6: with AVX-512 VNNI the head's proxy multiplies int16-coded rows (1 / 4 / 8 rows
 # 0.71 / 1.80 / 3.48 -> 0.47 / 1.06 / 2.00 ms); compiled 11 and fast 5: the small-row kernel takes three or four rows
-# in two passes of two over a block of eight weight rows (the batch engine's steps of four rows, products 12.2-12.4 ->
-# 9.5-10.9 ms a step on the 2-core Zen 5).
+# in two passes of two over a block of eight weight rows (the batch engine's steps of four rows, products 12.3 -> 10.6
+# ms a step on the 2-core Zen 5).
 PATH_REVISIONS = {"compiled": 11, "fast": 5, "q4": 6, "q4-compiled": 6}
 
 

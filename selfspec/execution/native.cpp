@@ -165,8 +165,10 @@ void one_pass(const float* x, int64_t K, const float* w, const float* bias, floa
 
 // three or four rows over the features [begin, end): two rows meet a block of kFeatures weight rows (as two rows alone
 // do), then the third (and fourth) meet it again from the L1 cache while the next block is asked for. On the 2-core
-// Zen 5, all of SmolLM2's products at 3 / 4 rows took 0.92 / 0.89x the time of one pass of all rows over a block of
-// kQuadFeatures (the batch engine's steps of four requests; interleaved, medians of 31, 2026-11-29).
+// Zen 5, all of SmolLM2's products at 3 / 4 rows took 0.92-0.95 / 0.89-0.97x the time of one pass of all rows over a
+// block of kQuadFeatures (random weights of the real shapes, three runs, each interleaved, medians of 31); in the batch
+// engine's steps of four requests, 10.6 ms of products a step against 12.3 (the step 15.5 ms against 16.8), one
+// request's steps unchanged (both kernels in one process taking turns, medians of 5 rounds of 10 steps, 2026-11-29).
 void pair_passes(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
                  int64_t begin, int64_t end) {
   constexpr int F = kFeatures;
