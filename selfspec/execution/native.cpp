@@ -142,13 +142,23 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
 }
 
 constexpr const float* kNoBlock = nullptr;  // no next block to ask for (dots' `ahead`)
+constexpr const float* kNoBias = nullptr;  // a product without a bias (remaining_features' `bias`)
+
+// the features [n, end) left after the whole blocks, for every input row: one weight row at a time
+template <typename T>
+void remaining_features(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
+                        int64_t n, int64_t end) {
+  for (; n < end; n++)
+    for (int64_t row = 0; row < rows; row++)
+      dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
+}
 
 // the features [begin, end) of one input row: kOneRowFeatures weight rows read at once
 void one_row(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t begin, int64_t end) {
   int64_t n = begin;
   for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
     dots<kOneRowFeatures, 1>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1, kNoBlock, true);
-  for (; n < end; n++) dots<1, 1>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1);
+  remaining_features(x, 1, K, w, bias, y, 1, n, end);
 }
 
 // rows [0, R) of x over the features [begin, end) in one pass: each block of F weight rows read once
@@ -158,9 +168,7 @@ void one_pass(const float* x, int64_t K, const float* w, const float* bias, floa
   int64_t n = begin;
   for (; n + F <= end; n += F)
     dots<F, R>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N, kNoBlock, true);
-  for (; n < end; n++)
-    for (int r = 0; r < R; r++)
-      dots<1, 1>(x + r * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + r * N + n, N);
+  remaining_features(x, R, K, w, bias, y, N, n, end);
 }
 
 // three or four rows over the features [begin, end): two rows meet a block of kFeatures weight rows (as two rows alone
@@ -183,9 +191,7 @@ void pair_passes(const float* x, int64_t rows, int64_t K, const float* w, const 
     else
       dots<F, 1>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
   }
-  for (; n < end; n++)
-    for (int64_t row = 0; row < rows; row++)
-      dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
+  remaining_features(x, rows, K, w, bias, y, N, n, end);
 }
 
 // the features [begin, end) of every input row, each block of weight rows read from memory once. Two rows meet a
@@ -213,9 +219,7 @@ void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const fl
     if (rows - row == 2) dots<F, 2>(xr, K, block, block_bias, yr, N, next);
     if (rows - row == 1) dots<F, 1>(xr, K, block, block_bias, yr, N, next);
   }
-  for (; n < end; n++)
-    for (int64_t row = 0; row < rows; row++)
-      dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
+  remaining_features(x, rows, K, w, bias, y, N, n, end);
 }
 
 // the features [begin, end) of every input row against bfloat16 weight rows, each block read from memory once
@@ -232,8 +236,7 @@ void wide_rows(const float* x, int64_t rows, int64_t K, const uint16_t* w, float
       if (row < rows) dots<kFeatures, 1>(x + row * K, K, w + n * K, nullptr, y + row * N + n, N);
     }
   }
-  for (; n < end; n++)
-    for (int64_t row = 0; row < rows; row++) dots<1, 1>(x + row * K, K, w + n * K, nullptr, y + row * N + n, N);
+  remaining_features(x, rows, K, w, kNoBias, y, N, n, end);
 }
 
 // int8 codes widened in registers (exact)
