@@ -153,6 +153,19 @@ void remaining_features(const float* x, int64_t rows, int64_t K, const T* w, con
       dots<1, 1>(x + row * K, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + row * N + n, N);
 }
 
+// every whole block of F weight rows in the features [begin, end), in order: pass(n, block, its bias, the next block
+// or nullptr for the last); then the features left, one weight row at a time
+template <int F, typename Pass>
+void by_blocks(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+               int64_t begin, int64_t end, Pass pass) {
+  int64_t n = begin;
+  for (; n + F <= end; n += F) {
+    const float* block = w + n * K;
+    pass(n, block, bias == nullptr ? nullptr : bias + n, n + 2 * F <= end ? block + F * K : nullptr);
+  }
+  remaining_features(x, rows, K, w, bias, y, N, n, end);
+}
+
 // the features [begin, end) of one input row: kOneRowFeatures weight rows read at once
 void one_row(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t begin, int64_t end) {
   int64_t n = begin;
@@ -180,18 +193,14 @@ void one_pass(const float* x, int64_t K, const float* w, const float* bias, floa
 void pair_passes(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
                  int64_t begin, int64_t end) {
   constexpr int F = kFeatures;
-  int64_t n = begin;
-  for (; n + F <= end; n += F) {
-    const float* block = w + n * K;
-    const float* block_bias = bias == nullptr ? nullptr : bias + n;
-    const float* next = n + 2 * F <= end ? block + F * K : nullptr;
+  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const float* block, const float* block_bias,
+                                                          const float* next) {
     dots<F, 2>(x, K, block, block_bias, y + n, N, kNoBlock, true);
     if (rows == 4)
       dots<F, 2>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
     else
       dots<F, 1>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
-  }
-  remaining_features(x, rows, K, w, bias, y, N, n, end);
+  });
 }
 
 // the features [begin, end) of every input row, each block of weight rows read from memory once. Two rows meet a
@@ -203,11 +212,8 @@ void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const fl
   if (rows == 2) return one_pass<kFeatures, 2>(x, K, w, bias, y, N, begin, end);
   if (rows <= 4) return pair_passes(x, rows, K, w, bias, y, N, begin, end);
   constexpr int F = kQuadFeatures;
-  int64_t n = begin;
-  for (; n + F <= end; n += F) {
-    const float* block = w + n * K;
-    const float* block_bias = bias == nullptr ? nullptr : bias + n;
-    const float* next = n + 2 * F <= end ? block + F * K : nullptr;
+  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const float* block, const float* block_bias,
+                                                          const float* next) {
     int64_t row = 0;
     for (; row + 4 <= rows; row += 4) {
       const float* ahead = row + 4 >= rows ? next : nullptr;
@@ -218,8 +224,7 @@ void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const fl
     if (rows - row == 3) dots<F, 3>(xr, K, block, block_bias, yr, N, next);
     if (rows - row == 2) dots<F, 2>(xr, K, block, block_bias, yr, N, next);
     if (rows - row == 1) dots<F, 1>(xr, K, block, block_bias, yr, N, next);
-  }
-  remaining_features(x, rows, K, w, bias, y, N, n, end);
+  });
 }
 
 // the features [begin, end) of every input row against bfloat16 weight rows, each block read from memory once
