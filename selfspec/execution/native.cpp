@@ -5,12 +5,13 @@
 // compiled `few` graph calls it for every product. At one to a few rows a product is bound by how fast the weight
 // streams from memory: threads split the output features, and each block of weight rows is read from memory once (one
 // input row meets eight weight rows at a time, two rows eight in one pass, three or four rows eight in two passes of
-// two, the second from the L1 cache; more rows pass over a block of four, kept in L1, four at a time), with the lines kFarAhead bytes further on asked
-// for as each streams. On the 2-core EPYC all of SmolLM2's products at 4 / 8 / 16 rows took 0.95-1.00 / 0.97-1.02 /
-// 1.08-1.16x oneDNN's packed kernel with blocks read once, against 1.01-1.12 / 1.21 / 1.53-1.71x when every four rows
-// streamed the weights again (two runs each, 2026-11-27). Every output element is computed the same way whatever the
-// row count or the block it falls in (lane-wise sums over the vector part of the input in order, one horizontal sum,
-// the scalar tail, then the bias), so a row's result does not depend on how many rows one call has.
+// two, the second from the L1 cache; more rows pass over a block of four, kept in L1, four at a time), with the lines
+// kFarAhead bytes further on asked for as each streams. On the 2-core EPYC all of SmolLM2's products at 4 / 8 / 16 rows
+// took 0.95-1.00 / 0.97-1.02 / 1.08-1.16x oneDNN's packed kernel with blocks read once, against 1.01-1.12 / 1.21 /
+// 1.53-1.71x when every four rows streamed the weights again (two runs each, 2026-11-27). Every output element is
+// computed the same way whatever the row count or the block it falls in (lane-wise sums over the vector part of the
+// input in order, one horizontal sum, the scalar tail, then the bias), so a row's result does not depend on how many
+// rows one call has.
 //
 // selfspec::row_attention(query, key, value, mask, scale): softmax(q k^T * scale + mask) v in float32 for grouped
 // key/value heads, each query row computed on its own in one fixed order: each key's score from its own product (the
