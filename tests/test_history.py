@@ -109,4 +109,4 @@ def test_packed_index_hash_collisions_are_not_matches(monkeypatch):
     )  # every n-gram hashes to its last token
     index = packed_module.PackedTokenIndex((3,))
     index.extend([1, 2, 3, 9, 4, 5, 3, 7])
-    assert index.continuations([4, 5, 3], 2, 3) == [[7]]  # (2, 3) ... shares the hash of (5, 3) only
+    assert index.continuations([4, 5, 3], 2, 3).paths == [[7]]  # (2, 3) ... shares the hash of (5, 3) only

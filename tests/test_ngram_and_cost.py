@@ -85,7 +85,7 @@ def test_ngram_drafts_again_after_a_bad_stretch():
     the estimate drifts back to the prior and drafting resumes instead of staying off for good."""
     from selfspec.tree_attention import DraftTree
 
-    drafter = ngram_with_context([1, 2, 3, 1, 2, 3, 1, 2])
+    drafter = ngram_with_context([1, 2, 3, 1, 2, 3, 1, 2], max_ngram=1)  # every match one token long: one estimate
     drafter.cost_curve = CostCurve((1, 2, 64), (1.0, 1.5, 40.0), source="test")  # a draft pays above a ~0.5 acceptance
     request = DraftRequest(2, 4, SamplingConfig(), None)
     assert drafter.propose(request).size > 1
@@ -98,6 +98,26 @@ def test_ngram_drafts_again_after_a_bad_stretch():
         steps += 1
         assert steps < 100, "drafting never resumed"
     assert steps > 5  # not at once: the bad stretch still counts for a while
+
+
+def test_ngram_keeps_an_acceptance_estimate_for_each_length_of_match():
+    """Drafts after 1-gram matches that fail stop drafting after 1-gram matches only: a 3-gram match drafts at once on
+    its own estimate (on held-out prompts a 1-gram match's first token was accepted about a fifth of the time, a
+    4-gram's four fifths)."""
+    from selfspec.tree_attention import DraftTree
+
+    drafter = ngram_with_context([1, 2, 3, 4, 7, 1])  # ends in a 1-gram match: 1 (-> 2 3 4 7)
+    drafter.cost_curve = CostCurve((1, 2, 64), (1.0, 1.5, 40.0), source="test")  # a draft pays above a ~0.5 acceptance
+    request = DraftRequest(1, 4, SamplingConfig(), None)
+    assert drafter.propose(request).size > 1 and drafter.matched == 1
+    for _ in range(10):  # the drafted 2 rejected, the target's 9 committed
+        drafter.observe(Observation((9,), {}, DraftTree.from_paths(1, [[2]]), accepted_path=(0,)))
+    assert drafter.acceptance_estimates[1].factor < 0.2
+    assert drafter.acceptance_estimates[3].factor == pytest.approx(0.6)  # the prior: no 3-gram draft yet
+    drafter.observe(Observation((1, 2, 3), {}))  # now ends in a 3-gram match: 1 2 3 (-> 4 7)
+    assert drafter.propose(DraftRequest(3, 4, SamplingConfig(), None)).size > 1 and drafter.matched == 3
+    drafter.observe(Observation((8, 7), {}))  # ends in a 1-gram match only: 7 (-> 1)
+    assert drafter.propose(DraftRequest(7, 4, SamplingConfig(), None)).size == 1 and drafter.matched == 1
 
 
 def test_acceptance_calibration_on_hand_made_histories():

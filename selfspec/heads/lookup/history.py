@@ -22,7 +22,7 @@ from ...cost import CostCurve
 from ...errors import SelfspecError
 from ...models import Target
 from ..base import register_drafter
-from .ngram import NgramDrafter, NgramOptions
+from .ngram import Matches, NgramDrafter, NgramOptions
 from .packed_index import PackedTokenIndex
 
 
@@ -52,7 +52,7 @@ class HistoryDrafter(NgramDrafter):
         """The request just served joins the history; the acceptance estimate starts again from the prior."""
         self._remember(self.request_tokens)
         self.request_tokens = []
-        self.acceptance_estimate.reset()
+        self.reset_estimates()
 
     def _remember(self, tokens: list[int]) -> None:
         if not tokens:
@@ -77,5 +77,5 @@ class HistoryDrafter(NgramDrafter):
     def _append(self, tokens: tuple[int, ...]) -> None:
         self.request_tokens.extend(tokens)
 
-    def _candidate_paths(self, depth: int) -> list[list[int]]:
+    def _candidates(self, depth: int) -> Matches:
         return self.history.continuations(self.request_tokens, depth, self.max_candidates)

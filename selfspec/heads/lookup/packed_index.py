@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ngram import Matches
+
 _MULTIPLIER = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime: an odd multiplier that spreads token ids
 
 
@@ -65,11 +67,11 @@ class PackedTokenIndex:
             self._hashes[n] = np.insert(self._hashes[n], at, hashes)
             self._ends[n] = np.insert(self._ends[n], at, ends)
 
-    def continuations(self, context: list[int], depth: int, max_paths: int) -> list[list[int]]:
-        paths: list[list[int]] = []
+    def continuations(self, context: list[int], depth: int, max_paths: int) -> Matches:
+        matches = Matches()
         seen_first: set[int] = set()
         if depth <= 0:
-            return paths
+            return matches
         for n in self.sizes:
             if len(context) < n:
                 continue
@@ -91,10 +93,10 @@ class PackedTokenIndex:
                 if first in seen_first:
                     continue
                 seen_first.add(first)
-                paths.append(self.tokens[ends[at] : ends[at] + depth].tolist())
-                if len(paths) == max_paths:
-                    return paths
-        return paths
+                matches.add(n, self.tokens[ends[at] : ends[at] + depth].tolist())
+                if len(matches.paths) == max_paths:
+                    return matches
+        return matches
 
 
 def _key(pattern: list[int]) -> np.uint64:
