@@ -105,7 +105,7 @@ class NgramDrafter(Drafter):
             n: AcceptanceCalibration(options.prior_acceptance, _PRIOR_WEIGHT) for n in self.ngram_sizes
         }
         self.matched = self.ngram_sizes[0]  # the length of the n-gram the latest lookup matched
-        self._matched_unused = False  # the latest lookup matched, and no draft followed (observe)
+        self._undrafted: tuple[int, ...] = ()  # match lengths whose drafting did not pay at the latest step (observe)
         self.reset()
 
     def reset(self) -> None:
@@ -133,14 +133,19 @@ class NgramDrafter(Drafter):
         return self.lookup.continuations(self.context, depth, self.max_candidates)
 
     def propose(self, request: DraftRequest) -> DraftTree:
+        best = max(estimate.factor for estimate in self.acceptance_estimates.values())
         longest = min(self.max_draft, request.max_depth)
-        found = self._candidates(longest) if longest > 0 else Matches()
+        reach = self.cost_curve.best_chain_length(best, longest) if longest > 0 else 0
+        if reach == 0:  # no length of match pays now: no lookup (`auto` asks `history` for each request every step)
+            self._undrafted = tuple(self.acceptance_estimates)
+            return DraftTree.root_only(request.root_token)
+        found = self._candidates(reach)
         if not found.paths:
             return DraftTree.root_only(request.root_token)
         self.matched = found.length
-        depth = self.cost_curve.best_chain_length(self.acceptance, longest)
+        depth = self.cost_curve.best_chain_length(self.acceptance, reach)
         if depth == 0:  # a match, but drafting after one of its length does not pay now
-            self._matched_unused = True
+            self._undrafted = (self.matched,)
             return DraftTree.root_only(request.root_token)
         paths = [path[:depth] for path in found.paths]
         # Extra branches only while they are nearly free on this machine's cost curve.
@@ -159,13 +164,13 @@ class NgramDrafter(Drafter):
         return 0.0
 
     def observe(self, observation: Observation) -> None:
-        estimate = self.acceptance_estimates[self.matched]
         if observation.tree is not None and observation.tree.size > 1:
             accepted = len(observation.accepted_path) - 1
-            estimate.record(accepted, accepted + (0 if observation.reached_leaf else 1))
-        elif observation.tree is not None and self._matched_unused:
-            # A match left undrafted is no evidence: its length's estimate drifts back toward the prior. Otherwise one
-            # bad stretch below break-even would switch drafting off for good (a chain length of 0 is never measured).
-            estimate.drift()
-        self._matched_unused = False
+            self.acceptance_estimates[self.matched].record(accepted, accepted + (0 if observation.reached_leaf else 1))
+        elif observation.tree is not None:
+            # Drafting that did not pay is no evidence: those lengths' estimates drift back toward the prior. Otherwise
+            # one bad stretch below break-even would switch drafting off for good (a chain of 0 is never measured).
+            for length in self._undrafted:
+                self.acceptance_estimates[length].drift()
+        self._undrafted = ()
         self._append(observation.new_tokens)
