@@ -112,7 +112,8 @@ def _tree_mask(cached: int, rows: int, hidden: tuple[int, int] | None = None) ->
 
 
 @pytest.mark.parametrize(
-    "cached, rows, head_dim, batch", [(40, 1, 64, 1), (300, 7, 64, 1), (33, 5, 20, 1), (70, 3, 128, 2), (17, 2, 72, 2)]
+    "cached, rows, head_dim, batch",
+    [(40, 1, 64, 1), (300, 7, 64, 1), (33, 5, 20, 1), (70, 3, 128, 2), (17, 2, 72, 2), (300, 1, 64, 4), (90, 2, 64, 3)],
 )
 def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(kernel, cached, rows, head_dim, batch):
     """Against float64 SDPA (grouped heads, an additive tree mask, one per sequence, or none: causal) to float32
@@ -124,6 +125,8 @@ def test_the_row_attention_equals_float64_sdpa_and_each_row_its_own_keys_alone(k
     mask = _tree_mask(cached, rows, (rows - 1, 0) if rows > 2 else None).repeat(batch, 1, 1, 1)
     if batch > 1:  # the second sequence sees fewer keys (a shorter one in a ragged batch)
         mask[1, :, :, : cached // 2] = torch.finfo(torch.float32).min
+    for sequence in range(2, batch):  # as the batch engine's: shorter prefixes, then the keys up to the longest hidden
+        mask[sequence, :, :, cached - 37 * sequence : cached] = torch.finfo(torch.float32).min
     scale = head_dim**-0.5
     output = native_module.row_attention(query, keys, values, mask, scale)
     as_double = [tensor.double() for tensor in (query, keys, values, mask)]
