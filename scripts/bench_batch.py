@@ -49,15 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue", type=int, default=8, help="requests submitted at once (waiting or decoding)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-round", type=int, default=16, help="prompts a round (different ones each round)")
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="prompts passed over after the two warm-up ones: the rounds start at prompt 2 + skip (bench_serve's "
+        "level k, from 0, sends prompts 32k to 32k + 31)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="a folder for results.json")
     args = parser.parse_args(argv)
     names = args.drafters.split(",")
     texts = [item.text for item in load_prompt_set("sharegpt")]
-    needed = 2 + args.rounds * args.per_round
-    if len(set(names)) != len(names) or min(args.slots, args.queue, args.rounds, args.per_round) < 1:
+    needed = 2 + args.skip + args.rounds * args.per_round
+    if len(set(names)) != len(names) or min(args.slots, args.queue, args.rounds, args.per_round) < 1 or args.skip < 0:
         print(
-            "bench_batch: give distinct drafters, and --slots, --queue, --rounds and --per-round of at least 1",
+            "bench_batch: give distinct drafters, --slots, --queue, --rounds and --per-round of at least 1, and a "
+            "--skip of at least 0",
             file=sys.stderr,
         )
         return 2
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         run_round(engine, prompts[:2], 2, 16)  # warm-up
     totals = {name: [0, 0.0] for name in names}
     for index in range(args.rounds):
-        batch = prompts[2 + index * args.per_round :][: args.per_round]
+        batch = prompts[2 + args.skip + index * args.per_round :][: args.per_round]
         for name in names if index % 2 == 0 else names[::-1]:
             tokens, seconds = run_round(engines[name], batch, args.queue, args.max_tokens)
             totals[name][0] += tokens

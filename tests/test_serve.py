@@ -26,6 +26,8 @@ import pytest
 from selfspec import SelfSpec
 from selfspec.cli import main
 from selfspec.serve import Scheduler, ServedModel, ServerThread
+from selfspec.serve.protocol import parse_completion
+from selfspec.serve.scheduler import Delta, Outcome
 
 PROMPTS = ["a dog", "the cat sat on the mat the cat sat on the", "mat a the three red was dog ran", "big red"]
 MAX_TOKENS = 24
@@ -58,9 +60,9 @@ class Running:
     def __init__(self, checkpoint):
         self.spec = Throttled(SelfSpec(str(checkpoint), drafter="ngram"))
         self.scheduler = Scheduler(self.spec)
-        served = ServedModel(self.spec.target.name, self.spec.target, "ngram", default_max_tokens=MAX_TOKENS)
-        self.model = served.model_id
-        self.server = ServerThread(self.scheduler, served)
+        self.served = ServedModel(self.spec.target.name, self.spec.target, "ngram", default_max_tokens=MAX_TOKENS)
+        self.model = self.served.model_id
+        self.server = ServerThread(self.scheduler, self.served)
         self.url = self.server.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         # References on models of their own (the server's is busy on its own thread): speculative and plain.
@@ -349,6 +351,37 @@ def test_concurrent_clients_are_each_answered_as_if_alone(server):
         assert text == server.reference.generate(prompt, max_new_tokens=MAX_TOKENS, **settings).text
     assert health(server.url)["queued"] == 0
     assert max(server.scheduler.engine.rows_per_step) > 1  # requests shared verification forwards
+
+
+def test_a_steps_events_reach_their_sinks_in_one_handoff(server):
+    """The scheduler hands a step's events, every request's, over in one call (the server's event loop woken once a
+    step, not once a request and step): three requests decoding together take no more handoffs than the steps they
+    span, and each still gets its text in order, then its outcome."""
+    received: dict[int, list] = {index: [] for index in range(3)}
+    handoffs = []
+
+    def handoff(callback):
+        handoffs.append(callback)
+        callback()
+
+    server.spec.delay = 0.02  # steps slow enough for the three to decode side by side
+    try:
+        for index, prompt in enumerate(PROMPTS[:3]):
+            body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS}
+            server.scheduler.submit(parse_completion(body, server.served), received[index].append, handoff)
+        deadline = time.monotonic() + 60
+        while not all(events and isinstance(events[-1], Outcome) for events in received.values()):
+            assert time.monotonic() < deadline, received
+            time.sleep(0.01)
+    finally:
+        server.spec.delay = 0.0
+    for index, events in received.items():
+        *deltas, outcome = events
+        assert all(isinstance(event, Delta) for event in deltas)
+        assert "".join(event.text for event in deltas) == outcome.text
+        assert outcome.text == server.reference.generate(PROMPTS[index], max_new_tokens=MAX_TOKENS, chat=False).text
+    steps = max(events[-1].speculation["target_forwards"] for events in received.values())
+    assert len(handoffs) <= steps + 2, (len(handoffs), steps)
 
 
 def test_cli_bad_input_is_one_line_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):

@@ -86,16 +86,16 @@ def usage(outcome: Outcome) -> dict:
     }
 
 
-def relay(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[object], None]:
-    """A job's sink: the worker thread's events into the request's queue, on the event loop's thread."""
+def handoff_to(loop: asyncio.AbstractEventLoop) -> Callable[[Callable[[], None]], None]:
+    """The jobs' handoff (scheduler.Job): the worker thread's callables run on the event loop's thread."""
 
-    def sink(event) -> None:
+    def handoff(callback: Callable[[], None]) -> None:
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(callback)
         except RuntimeError:  # the loop has closed (the server is stopping): nobody is waiting for it
             pass
 
-    return sink
+    return handoff
 
 
 def sse(payload: dict | str) -> str:
@@ -112,6 +112,13 @@ class Server:
     def __init__(self, scheduler: Scheduler, served: ServedModel):
         self.scheduler, self.served = scheduler, served
         self.created = int(time.time())
+        self._handoffs: dict[asyncio.AbstractEventLoop, Callable] = {}  # one per loop: the scheduler sends a step's
+        # events to all the jobs sharing a handoff in one call
+
+    def _handoff(self, loop: asyncio.AbstractEventLoop) -> Callable:
+        if loop not in self._handoffs:
+            self._handoffs = {loop: handoff_to(loop)}  # (a server runs one loop; a new one replaces the closed one)
+        return self._handoffs[loop]
 
     def app(self) -> Starlette:
         routes = [
@@ -151,7 +158,7 @@ class Server:
 
     async def _answer(self, request: Request, decode: DecodeRequest) -> Response:
         events: asyncio.Queue = asyncio.Queue()
-        job = self.scheduler.submit(decode, relay(asyncio.get_running_loop(), events))
+        job = self.scheduler.submit(decode, events.put_nowait, self._handoff(asyncio.get_running_loop()))
         reply = Reply(decode)
         if decode.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
