@@ -120,6 +120,31 @@ def test_ngram_keeps_an_acceptance_estimate_for_each_length_of_match():
     assert drafter.propose(DraftRequest(7, 4, SamplingConfig(), None)).size == 1 and drafter.matched == 1
 
 
+@pytest.mark.parametrize("learn_prior", [True, False])
+def test_a_request_starts_from_what_the_earlier_ones_accepted_after_each_length_of_match(learn_prior):
+    """1-gram drafts rejected through one request: the next request's 1-gram estimate starts from that, below
+    break-even (no draft after a 1-gram match at its start), the other lengths' from the prior; with
+    learn_prior=false every request starts from the prior."""
+    from selfspec.tree_attention import DraftTree
+
+    context = (1, 2, 3, 4, 7, 1)  # ends in a 1-gram match: 1 (-> 2 3 4 7)
+    drafter = ngram_with_context(context, learn_prior=learn_prior)
+    drafter.cost_curve = CostCurve((1, 2, 64), (1.0, 1.5, 40.0), source="test")  # a draft pays above a ~0.5 acceptance
+    request = DraftRequest(1, 4, SamplingConfig(), None)
+    assert drafter.propose(request).size > 1 and drafter.matched == 1
+    for _ in range(10):  # the drafted 2 rejected, the target's 9 committed
+        drafter.observe(Observation((9,), {}, DraftTree.from_paths(1, [[2]]), accepted_path=(0,)))
+    drafter.reset()  # the next request, the same prompt
+    drafter.observe(Observation(context, {}))
+    assert drafter.acceptance_estimates[3].factor == pytest.approx(0.6)
+    if learn_prior:
+        assert drafter.acceptance_estimates[1].factor == pytest.approx(0.6 * 4 / (10 + 4))
+        assert drafter.propose(request).size == 1
+    else:
+        assert drafter.acceptance_estimates[1].factor == pytest.approx(0.6)
+        assert drafter.propose(request).size > 1
+
+
 def test_acceptance_calibration_on_hand_made_histories():
     calibration = AcceptanceCalibration()
     assert calibration.factor == 1.0 and calibration.scaled([0.5, 0.9]) == [0.5, 0.9]
