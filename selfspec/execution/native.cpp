@@ -559,7 +559,8 @@ constexpr int64_t kValueBlock = 64;  // keys whose value rows stay in the L1 cac
 // summed and the values accumulated key by key in the keys' order, hidden keys skipped. The rows take each block of
 // keys in turn while it is in the L1 cache, but a row's arithmetic is its own: the same whatever the other rows are.
 // V: the whole vectors in D when it is a compile-time constant (the accumulators then stay in registers), 0 for any D.
-template <int V>
+// Skips: `seen` marks the blocks of kLanes keys some row sees, the others passed over (a ragged batch's); else null.
+template <int V, bool Skips>
 void attend_rows(const AttendRows& rows, const float* keys, int64_t key_stride, const float* values,
                  int64_t value_stride, int64_t mask_stride, int64_t S, int64_t D, float scale, float* scores,
                  int64_t padded, const uint8_t* seen) {
@@ -567,7 +568,7 @@ void attend_rows(const AttendRows& rows, const float* keys, int64_t key_stride, 
   const int64_t vectors = V > 0 ? V : D / kLanes, vector_end = vectors * kLanes;
   for (int64_t s = 0; s < S; s += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, S - s);
-    if (seen != nullptr && !seen[s / kLanes]) continue;  // keys no row sees: not read (nor their scores below)
+    if (Skips && !seen[s / kLanes]) continue;  // keys no row sees: not read (nor their scores below)
     for (int64_t r = 0; r < rows.count; r++)
       key_scores(rows.q[r], keys + s * key_stride, key_stride, vectors, D, count, scores + r * padded + s);
   }
@@ -580,7 +581,7 @@ void attend_rows(const AttendRows& rows, const float* keys, int64_t key_stride, 
     if (mask != nullptr && mask_stride == 1) {  // a vector at a time: the same fused multiply-add as the tail's
       Vec highs = broadcast(kHidden);
       for (; s + kLanes <= S; s += kLanes) {
-        if (seen != nullptr && !seen[s / kLanes]) {  // what the mask makes of any score there
+        if (Skips && !seen[s / kLanes]) {  // what the mask makes of any score there
           store(row_scores + s, broadcast(kHidden));
           continue;
         }
@@ -603,7 +604,7 @@ void attend_rows(const AttendRows& rows, const float* keys, int64_t key_stride, 
     } else {
       std::fill(row_scores + S, row_scores + padded, kHidden);
       for (int64_t s = 0; s < padded; s += kLanes)  // (a hidden key's weight is exactly 0)
-        store(row_scores + s, seen != nullptr && !seen[s / kLanes] ? zero()
+        store(row_scores + s, Skips && !seen[s / kLanes] ? zero()
                                                                   : exp_lanes(load(row_scores + s) - broadcast(high)));
     }
     std::fill(rows.out[r], rows.out[r] + D, 0.0f);
@@ -619,7 +620,7 @@ void attend_rows(const AttendRows& rows, const float* keys, int64_t key_stride, 
       for (int64_t v = 0; v < vectors; v++) acc[v] = load(out + v * kLanes);
       float sum = sums[r];
       for (int64_t s = block; s < block_end; s++) {
-        if (seen != nullptr && s % kLanes == 0 && !seen[s / kLanes]) {  // kValueBlock is whole vectors
+        if (Skips && s % kLanes == 0 && !seen[s / kLanes]) {  // kValueBlock is whole vectors
           s += kLanes - 1;
           continue;
         }
@@ -649,14 +650,15 @@ using AttendRowsKernel = void (*)(const AttendRows&, const float*, int64_t, cons
                                   int64_t, float, float*, int64_t, const uint8_t*);
 
 // the kernel for head dimension D: one built for its count of whole vectors where that is a common one
+template <bool Skips>
 AttendRowsKernel attend_rows_for(int64_t D) {
   switch (D / kLanes) {
-    case 1: return &attend_rows<1>;
-    case 2: return &attend_rows<2>;
-    case 4: return &attend_rows<4>;
-    case 8: return &attend_rows<8>;
-    case 16: return &attend_rows<16>;
-    default: return &attend_rows<0>;
+    case 1: return &attend_rows<1, Skips>;
+    case 2: return &attend_rows<2, Skips>;
+    case 4: return &attend_rows<4, Skips>;
+    case 8: return &attend_rows<8, Skips>;
+    case 16: return &attend_rows<16, Skips>;
+    default: return &attend_rows<0, Skips>;
   }
 }
 #endif
@@ -888,8 +890,8 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
   // In a batch of sequences, each one's blocks of kLanes keys that some query row of it sees (one list where the mask
   // is shared): the others, a shorter sequence's keys before the ragged batch's new ones, are not read (their weights
   // are 0 anyway: no row's result changes). On the 2-core Zen 5, SmolLM2's 30 layers for four one-token rows after
-  // 454, 152, 153 and 162 keys took 0.60-0.65x the time they took reading every row's keys up to the longest
-  // (interleaved probe, medians, 2026-11-29).
+  // 454, 152, 153 and 162 keys took 0.52-0.69x the time they took reading every row's keys up to the longest
+  // (interleaved probes, medians, 2026-11-29).
   const int64_t masks = has_mask && B > 1 ? m.size(0) : 0;
   std::vector<uint8_t> seen(masks * blocks, 0);
   std::vector<int64_t> seen_keys(B, S);  // keys each sequence's rows read, to share the work out by
@@ -924,7 +926,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
   }
   for (int64_t task = 0, before = 0; task < tasks; before += work[task], task++)  // the thread its work's middle is in
     owner[task] = std::min(threads - 1, (2 * before + work[task]) * threads / std::max<int64_t>(1, 2 * total));
-  const AttendRowsKernel attend = attend_rows_for(D);
+  const AttendRowsKernel attend = masks > 0 ? attend_rows_for<true>(D) : attend_rows_for<false>(D);
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     std::vector<float> scores(piece_rows * padded);
     for (int64_t task = 0; task < tasks; task++) {
