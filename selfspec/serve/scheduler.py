@@ -159,6 +159,8 @@ class Scheduler:
 
     def _send(self) -> None:
         """Hand the posted events to their sinks: one handoff for all the jobs that share it, in the order posted."""
+        if not self._outbox:  # a step that emitted nothing (prefill only, or text held back)
+            return
         outbox, self._outbox = self._outbox, []
         groups: dict[int, tuple[Handoff | None, list[tuple[Job, Event]]]] = {}
         for job, event in outbox:

@@ -49,7 +49,8 @@ class HistoryDrafter(NgramDrafter):
         super().__init__(target, cost_curve, options)
 
     def reset(self) -> None:
-        """The request just served joins the history; the acceptance estimate starts again from the prior."""
+        """The request just served joins the history; each length's acceptance estimate starts again from its prior
+        (NgramDrafter.reset_estimates)."""
         self._remember(self.request_tokens)
         self.request_tokens = []
         self.reset_estimates()
