@@ -51,8 +51,9 @@ _TABLE_SIZE = 256  # tree sizes (and batch rows) whose cost a curve keeps worked
 # compiled 10, q4 and q4-compiled 6: with AVX-512 VNNI the head's proxy multiplies int16-coded rows (1 / 4 / 8 rows
 # 0.71 / 1.80 / 3.48 -> 0.47 / 1.06 / 2.00 ms); compiled 11 and fast 5: the small-row kernel takes three or four rows
 # in two passes of two over a block of eight weight rows (the batch engine's steps of four rows, products 12.3 -> 10.6
-# ms a step on the 2-core Zen 5).
-PATH_REVISIONS = {"compiled": 11, "fast": 5, "q4": 6, "q4-compiled": 6}
+# ms a step on the 2-core Zen 5); compiled 12: `few` takes the linear weights bfloat16 holds exactly in bfloat16 (its
+# products at half the bytes: SmolLM2's 0.52-0.60x at 1-16 rows).
+PATH_REVISIONS = {"compiled": 12, "fast": 5, "q4": 6, "q4-compiled": 6}
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 LONG_PROMPT = [1] + [3 + (7 * i) % 90 for i in range(40)]  # past the compiled graphs' smallest cache
+# the tiny Llama's weights made exact in bfloat16 (compiled_target): `few` takes these in bfloat16, the rest in float32
+NARROW = (
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+)
 TREE = DraftTree(tokens=torch.tensor([5, 17, 33, 40, 8, 9, 11]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
 
 
@@ -57,6 +63,10 @@ def compiled_target(tmp_path_factory):
 
     messages = []
     base = without_eos(make_tiny_target("llama", max_position_embeddings=512))
+    with torch.no_grad():  # weights bfloat16 holds exactly (as a checkpoint released in bfloat16 has), and others
+        for name in NARROW:
+            weight = base.model.get_parameter(name)
+            weight.copy_(weight.bfloat16().float())
     target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
     target.execution.compiled.log = messages.append
     split = pytest.MonkeyPatch()
@@ -113,6 +123,23 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, mon
     for (keys, values), (fast_keys, fast_values) in zip(results["compiled"][1], results["fast"][1], strict=True):
         torch.testing.assert_close(keys, fast_keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, fast_values, atol=1e-5, rtol=1e-5)
+
+
+def test_few_takes_the_weights_bfloat16_holds_exactly_in_bfloat16(compiled_target):
+    """The linear weights whose float32 values bfloat16 holds exactly are the ones `few` takes in bfloat16 (its
+    package lists them), copies of the model's own, which keeps its float32 weights; the others stay float32. (That
+    the products over them are the float32 products bit for bit: test_native; that steps in `few` equal the fast
+    path's and decode as plain greedy: the other tests here, on this model.)"""
+    target, _, _ = compiled_target
+    step = target.execution.compiled
+    listed = step.runners["few"].package.get_metadata()[compiled_module.NARROWED].split(",")
+    assert sorted(listed) == sorted(f"model.{name}" for name in NARROW) == sorted(step.narrowed)
+    for name in NARROW:
+        weight = target.model.get_parameter(name)
+        assert weight.dtype == torch.float32
+        assert step.narrowed[f"model.{name}"].dtype == torch.bfloat16
+        assert torch.equal(step.narrowed[f"model.{name}"].float(), weight)
+    assert target.model.get_parameter("model.layers.0.self_attn.k_proj.weight").dtype == torch.float32
 
 
 def test_the_steps_go_to_the_graphs_and_the_rest_runs_eager(compiled_target, monkeypatch):

@@ -39,13 +39,19 @@ def kernel():
         (16, 577, 100, True),
     ],
 )
-def test_the_small_row_product_equals_a_float64_reference_row_by_row(kernel, rows, out_features, in_features, bias):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_the_small_row_product_equals_a_float64_reference_row_by_row(
+    kernel, rows, out_features, in_features, bias, narrow
+):
     """Vector and scalar tails of the input, a last block of fewer output features, a bias or none, 1-16 rows (one
     pass, or passes of four and the rest): within float32 rounding of float64's product, and every row bit for bit
-    what a one-row call gives."""
+    what a one-row call gives. A bfloat16 weight (`narrow`) gives bit for bit what its float32 widening gives."""
     torch.manual_seed(rows)
     x, weight = torch.randn(1, rows, in_features), torch.randn(out_features, in_features)
     b = torch.randn(out_features) if bias else None
+    if narrow:
+        weight = weight.bfloat16()
+        assert torch.equal(kernel(x, weight, b), kernel(x, weight.float(), b))
     output = kernel(x, weight, b)
     reference = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert output.shape == (1, rows, out_features) and output.dtype == torch.float32
@@ -55,11 +61,14 @@ def test_the_small_row_product_equals_a_float64_reference_row_by_row(kernel, row
 
 
 def test_what_it_does_not_handle_runs_pytorchs_own_product(kernel):
-    """More than 16 rows, another dtype, a weight not stored contiguous: exactly F.linear's result."""
+    """More than 16 rows, another dtype, a weight not stored contiguous: exactly F.linear's result (over a bfloat16
+    weight's float32 widening where the input is float32)."""
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 24), torch.randn(40)
     many = torch.randn(17, 24)
     assert torch.equal(kernel(many, weight, bias), F.linear(many, weight, bias))
+    narrow = weight.bfloat16()
+    assert torch.equal(kernel(many, narrow, bias), F.linear(many, narrow.float(), bias))
     half = torch.randn(2, 24, dtype=torch.bfloat16)
     assert torch.equal(kernel(half, weight.bfloat16()), F.linear(half, weight.bfloat16()))
     strided = torch.randn(24, 40).t()

@@ -1,8 +1,9 @@
 // selfspec's native kernels, built once per machine at first use (native.py) and registered as PyTorch operators:
 //
-// selfspec::small_rows(input, weight, bias): y = x W^T (+ b) for a float32 input of a few rows and a float32 weight
-// [out, in] stored as it is (no packed copy). The fast path's linear layers call it below their row split and the
-// compiled `few` graph calls it for every product. At one to a few rows a product is bound by how fast the weight
+// selfspec::small_rows(input, weight, bias): y = x W^T (+ b) for a float32 input of a few rows and a float32 or
+// bfloat16 weight [out, in] stored as it is (no packed copy; bfloat16 widened exactly in registers, every sum as over
+// its float32 widening, bit for bit, at half the bytes streamed). The fast path's linear layers call it below their
+// row split and the compiled `few` graph calls it for every product. At one to a few rows a product is bound by how fast the weight
 // streams from memory: threads split the output features, and each block of weight rows is read from memory once (one
 // input row meets eight weight rows at a time, two rows eight in one pass, three or four rows eight in two passes of
 // two, the second from the L1 cache; more rows pass over a block of four, kept in L1, four at a time), with the lines
@@ -122,7 +123,7 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
 #pragma GCC unroll 16
       for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(ahead + f * K + k), _MM_HINT_T0);
     }
-    if (far) {
+    if (far && (sizeof(T) == sizeof(float) || k % (2 * kLanes) == 0)) {  // bfloat16: a line every other vector
 #pragma GCC unroll 16
       for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(w + f * K + k) + kFarAhead, _MM_HINT_T1);
     }
@@ -136,13 +137,14 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
   for (int f = 0; f < F; f++) {
     for (int r = 0; r < R; r++) {
       float sum = total(acc[f][r]);
-      for (int64_t k = vector_end; k < K; k++) sum += weight_value(w[f * K + k]) * x[r * K + k];
+      // one fused multiply-add a tail element, written out: the compiler would contract the two weight types' tails
+      // differently, and a bfloat16 weight's results must be its float32 widening's bit for bit
+      for (int64_t k = vector_end; k < K; k++) sum = std::fma(weight_value(w[f * K + k]), x[r * K + k], sum);
       out[r * ldy + f] = bias == nullptr ? sum : sum + bias[f];
     }
   }
 }
 
-constexpr const float* kNoBlock = nullptr;  // no next block to ask for (dots' `ahead`)
 constexpr const float* kNoBias = nullptr;  // a product without a bias (remaining_features' `bias`)
 
 // the features [n, end) left after the whole blocks, for every input row: one weight row at a time
@@ -156,32 +158,33 @@ void remaining_features(const float* x, int64_t rows, int64_t K, const T* w, con
 
 // every whole block of F weight rows in the features [begin, end), in order: pass(n, block, its bias, the next block
 // or nullptr for the last); then the features left, one weight row at a time
-template <int F, typename Pass>
-void by_blocks(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+template <int F, typename T, typename Pass>
+void by_blocks(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
                int64_t begin, int64_t end, Pass pass) {
   int64_t n = begin;
   for (; n + F <= end; n += F) {
-    const float* block = w + n * K;
+    const T* block = w + n * K;
     pass(n, block, bias == nullptr ? nullptr : bias + n, n + 2 * F <= end ? block + F * K : nullptr);
   }
   remaining_features(x, rows, K, w, bias, y, N, n, end);
 }
 
 // the features [begin, end) of one input row: kOneRowFeatures weight rows read at once
-void one_row(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t begin, int64_t end) {
+template <typename T>
+void one_row(const float* x, int64_t K, const T* w, const float* bias, float* y, int64_t begin, int64_t end) {
   int64_t n = begin;
   for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
-    dots<kOneRowFeatures, 1>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1, kNoBlock, true);
+    dots<kOneRowFeatures, 1, T>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1, nullptr, true);
   remaining_features(x, 1, K, w, bias, y, 1, n, end);
 }
 
 // rows [0, R) of x over the features [begin, end) in one pass: each block of F weight rows read once
-template <int F, int R>
-void one_pass(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t begin,
+template <int F, int R, typename T>
+void one_pass(const float* x, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t begin,
               int64_t end) {
   int64_t n = begin;
   for (; n + F <= end; n += F)
-    dots<F, R>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N, kNoBlock, true);
+    dots<F, R, T>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N, nullptr, true);
   remaining_features(x, R, K, w, bias, y, N, n, end);
 }
 
@@ -191,12 +194,13 @@ void one_pass(const float* x, int64_t K, const float* w, const float* bias, floa
 // block of kQuadFeatures (random weights of the real shapes, three runs, each interleaved, medians of 31); in the batch
 // engine's steps of four requests, 10.6 ms of products a step against 12.3 (the step 15.5 ms against 16.8), one
 // request's steps unchanged (both kernels in one process taking turns, medians of 5 rounds of 10 steps, 2026-11-29).
-void pair_passes(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+template <typename T>
+void pair_passes(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
                  int64_t begin, int64_t end) {
   constexpr int F = kFeatures;
-  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const float* block, const float* block_bias,
-                                                          const float* next) {
-    dots<F, 2>(x, K, block, block_bias, y + n, N, kNoBlock, true);
+  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const T* block, const float* block_bias,
+                                                          const T* next) {
+    dots<F, 2, T>(x, K, block, block_bias, y + n, N, nullptr, true);
     if (rows == 4)
       dots<F, 2>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
     else
@@ -208,16 +212,17 @@ void pair_passes(const float* x, int64_t rows, int64_t K, const float* w, const 
 // block in one pass, three or four in two (pair_passes). More rows pass over a block of kQuadFeatures weight rows
 // four at a time, the first pass reading it from memory, the others from the L1 cache; the last pass asks for the
 // next block, so that memory keeps streaming while the cached block is computed on.
-void many_rows(const float* x, int64_t rows, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+template <typename T>
+void many_rows(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
                int64_t begin, int64_t end) {
-  if (rows == 2) return one_pass<kFeatures, 2>(x, K, w, bias, y, N, begin, end);
+  if (rows == 2) return one_pass<kFeatures, 2, T>(x, K, w, bias, y, N, begin, end);
   if (rows <= 4) return pair_passes(x, rows, K, w, bias, y, N, begin, end);
   constexpr int F = kQuadFeatures;
-  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const float* block, const float* block_bias,
-                                                          const float* next) {
+  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const T* block, const float* block_bias,
+                                                          const T* next) {
     int64_t row = 0;
     for (; row + 4 <= rows; row += 4) {
-      const float* ahead = row + 4 >= rows ? next : nullptr;
+      const T* ahead = row + 4 >= rows ? next : nullptr;
       dots<F, 4>(x + row * K, K, block, block_bias, y + row * N + n, N, ahead, row == 0);
     }
     const float* xr = x + row * K;
@@ -666,12 +671,15 @@ AttendRowsKernel attend_rows_for(int64_t D) {
 at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1);
-  bool ours = input.device().is_cpu() && input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-              weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == K && K > 0 && rows <= kMaxRows &&
+  const bool wide = weight.scalar_type() == at::kBFloat16;
+  bool ours = input.device().is_cpu() && input.scalar_type() == at::kFloat &&
+              (weight.scalar_type() == at::kFloat || wide) && weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == K && K > 0 && rows <= kMaxRows &&
               (!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous()));
 #ifndef SELFSPEC_VECTOR
   ours = false;
 #endif
+  if (!ours && wide && input.scalar_type() == at::kFloat)  // the weight widened (a copy), by ATen's product
+    return at::linear(input, weight.to(at::kFloat), has_bias ? *bias : at::Tensor());
   if (!ours) return at::linear(input, weight, has_bias ? *bias : at::Tensor());
   const int64_t N = weight.size(0);
   std::vector<int64_t> sizes = input.sizes().vec();
@@ -680,17 +688,22 @@ at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c
 #ifdef SELFSPEC_VECTOR
   const at::Tensor x = input.contiguous();
   const float* xs = x.data_ptr<float>();
-  const float* ws = weight.data_ptr<float>();
   const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
   float* ys = output.data_ptr<float>();
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
-    const int64_t begin = first * kBlock, end = std::min(N, last * kBlock);
-    if (rows == 1)
-      one_row(xs, K, ws, bs, ys, begin, end);
-    else
-      many_rows(xs, rows, K, ws, bs, ys, N, begin, end);
-  });
+  const auto product = [&](const auto* ws) {
+    const int64_t blocks = (N + kBlock - 1) / kBlock;
+    at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+      const int64_t begin = first * kBlock, end = std::min(N, last * kBlock);
+      if (rows == 1)
+        one_row(xs, K, ws, bs, ys, begin, end);
+      else
+        many_rows(xs, rows, K, ws, bs, ys, N, begin, end);
+    });
+  };
+  if (wide)
+    product(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
+  else
+    product(weight.data_ptr<float>());
 #endif
   return output;
 }
