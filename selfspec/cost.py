@@ -51,8 +51,9 @@ _TABLE_SIZE = 256  # tree sizes (and batch rows) whose cost a curve keeps worked
 # compiled 10, q4 and q4-compiled 6: with AVX-512 VNNI the head's proxy multiplies int16-coded rows (1 / 4 / 8 rows
 # 0.71 / 1.80 / 3.48 -> 0.47 / 1.06 / 2.00 ms); compiled 11 and fast 5: the small-row kernel takes three or four rows
 # in two passes of two over a block of eight weight rows (the batch engine's steps of four rows, products 12.3 -> 10.6
-# ms a step on the 2-core Zen 5); compiled 12: `few` takes the linear weights bfloat16 holds exactly in bfloat16 (its
-# products at half the bytes: SmolLM2's 0.52-0.60x at 1-16 rows).
+# ms a step on the 2-core Zen 5); compiled 12: `few` takes the linear weights in a compact form that reproduces them
+# exactly (execution/compact.py: SmolLM2's, de-quantised from Q4_1, coded as its blocks: its products at 1 / 4 / 8 / 16
+# rows 0.40 / 0.47 / 0.74 / 0.89x the time).
 PATH_REVISIONS = {"compiled": 12, "fast": 5, "q4": 6, "q4-compiled": 6}
 
 

@@ -108,6 +108,17 @@ def four_bit_layers(model: torch.nn.Module) -> None:
                 setattr(parent, name, Q4Linear(codes.reshape(child.weight.shape), scale, low + 8 * scale))
 
 
+def q4_1_values(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (K a multiple of 32) rounded as a Q4_1 GGUF stores it and de-quantises it to float32: per block
+    of 32 values of a row, a float16 minimum m and scale d = (max - m) / 15, codes round((w - m) / d) in 0..15, and
+    the value d * code + m in float32."""
+    blocks = weight.detach().reshape(weight.shape[0], -1, 32)
+    low = blocks.amin(-1).half().float()
+    scale = ((blocks.amax(-1) - low) / 15).half().float()
+    codes = ((blocks - low[..., None]) / scale.clamp_min(1e-30)[..., None]).round().clamp(0, 15)
+    return (scale[..., None] * codes + low[..., None]).reshape(weight.shape)
+
+
 def plain_greedy(target: Target, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The reference on a path whose numbers transformers' generate does not reproduce (q4): plain decoding on it."""
     tokens, _ = speculative_generate(target, create_drafter("none", target), torch.tensor(prompt), max_new_tokens)

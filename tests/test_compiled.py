@@ -22,6 +22,7 @@ from selfspec.errors import SelfspecError
 from selfspec.execution import COMPILE_ENV, CompiledStep, ExecutionPath, compile_support, detect_capabilities
 from selfspec.execution import background as background_module
 from selfspec.execution import compiled as compiled_module
+from selfspec.execution.compact import expanded
 from selfspec.heads import create_drafter
 from selfspec.models import Target
 from selfspec.tree_attention import DraftTree, build_tree_inputs, chunk_forward, compact_cache, tree_forward
@@ -35,6 +36,7 @@ from .helpers import (
     hf_greedy,
     make_tiny_target,
     model_as_made,
+    q4_1_values,
     random_eagle_dir,
     sample_joint,
     without_eos,
@@ -45,12 +47,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 LONG_PROMPT = [1] + [3 + (7 * i) % 90 for i in range(40)]  # past the compiled graphs' smallest cache
-# the tiny Llama's weights made exact in bfloat16 (compiled_target): `few` takes these in bfloat16, the rest in float32
-NARROW = (
+# the tiny Llama's weights given compact forms (compiled_target): `few` takes these coded as a Q4_1 GGUF's, those in
+# bfloat16, the rest in float32
+CODED = (
     "model.layers.0.self_attn.q_proj.weight",
     "model.layers.0.mlp.up_proj.weight",
     "model.layers.1.mlp.down_proj.weight",
 )
+NARROW = ("model.layers.1.self_attn.k_proj.weight",)
 TREE = DraftTree(tokens=torch.tensor([5, 17, 33, 40, 8, 9, 11]), parents=torch.tensor([-1, 0, 0, 1, 1, 2, 3]))
 
 
@@ -63,7 +67,10 @@ def compiled_target(tmp_path_factory):
 
     messages = []
     base = without_eos(make_tiny_target("llama", max_position_embeddings=512))
-    with torch.no_grad():  # weights bfloat16 holds exactly (as a checkpoint released in bfloat16 has), and others
+    with torch.no_grad():  # weights as a Q4_1 GGUF's or a bfloat16 checkpoint's come to float32, and others
+        for name in CODED:
+            weight = base.model.get_parameter(name)
+            weight.copy_(q4_1_values(weight))
         for name in NARROW:
             weight = base.model.get_parameter(name)
             weight.copy_(weight.bfloat16().float())
@@ -125,20 +132,21 @@ def test_the_compiled_step_computes_what_the_fast_path_does(compiled_target, mon
         torch.testing.assert_close(values, fast_values, atol=1e-5, rtol=1e-5)
 
 
-def test_few_takes_the_weights_bfloat16_holds_exactly_in_bfloat16(compiled_target):
-    """The linear weights whose float32 values bfloat16 holds exactly are the ones `few` takes in bfloat16 (its
-    package lists them), copies of the model's own, which keeps its float32 weights; the others stay float32. (That
-    the products over them are the float32 products bit for bit: test_native; that steps in `few` equal the fast
-    path's and decode as plain greedy: the other tests here, on this model.)"""
+def test_few_takes_the_weights_a_compact_form_reproduces_in_that_form(compiled_target):
+    """The linear weights whose float32 values a compact form gives back exactly are the ones `few` takes in it (its
+    package lists them): a Q4_1 GGUF's coded, a bfloat16 checkpoint's in bfloat16, made from the model's own, which
+    keeps its float32 weights; the others stay float32. (That products over them are the float32 products bit for
+    bit: test_native; that steps in `few` equal the fast path's and decode as plain greedy: the other tests here.)"""
     target, _, _ = compiled_target
     step = target.execution.compiled
-    listed = step.runners["few"].package.get_metadata()[compiled_module.NARROWED].split(",")
-    assert sorted(listed) == sorted(f"model.{name}" for name in NARROW) == sorted(step.narrowed)
-    for name in NARROW:
-        weight = target.model.get_parameter(name)
+    forms = {f"model.{name}": torch.uint8 for name in CODED} | {f"model.{name}": torch.bfloat16 for name in NARROW}
+    listing = ",".join(f"{name}:{str(dtype).removeprefix('torch.')}" for name, dtype in sorted(forms.items()))
+    assert step.runners["few"].package.get_metadata()[compiled_module.COMPACT] == listing
+    assert {name: weight.dtype for name, weight in step.compact.items()} == forms
+    for name, compact in step.compact.items():
+        weight = target.model.get_parameter(name.removeprefix("model."))
         assert weight.dtype == torch.float32
-        assert step.narrowed[f"model.{name}"].dtype == torch.bfloat16
-        assert torch.equal(step.narrowed[f"model.{name}"].float(), weight)
+        assert torch.equal(expanded(compact, weight.shape[1]).view(torch.int32), weight.view(torch.int32))
     assert target.model.get_parameter("model.layers.0.self_attn.k_proj.weight").dtype == torch.float32
 
 

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.execution import ExecutionPath, PackedLinear, RowDispatch, compile_support, detect_capabilities
+from selfspec.execution import compact as compact_module
 from selfspec.execution import native as native_module
 
-from .helpers import make_tiny_target
+from .helpers import make_tiny_target, q4_1_values
 
 pytestmark = pytest.mark.skipif(
     not compile_support(detect_capabilities())[0], reason=compile_support(detect_capabilities())[1]
@@ -58,6 +59,27 @@ def test_the_small_row_product_equals_a_float64_reference_row_by_row(
     torch.testing.assert_close(output.double(), reference, atol=2e-5 * in_features**0.5, rtol=1e-5)
     one_by_one = torch.cat([kernel(x[:, row : row + 1], weight, b) for row in range(rows)], dim=1)
     assert torch.equal(output, one_by_one)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("out_features, in_features, bias", [(576, 576, False), (1536, 576, True), (13, 64, True)])
+def test_a_coded_weight_gives_what_its_float32_values_give_bit_for_bit(kernel, rows, out_features, in_features, bias):
+    """A Q4_1 GGUF's weights as float32 (d * code + m per block of 32) and their coding (compact.py): the coding gives
+    back every value bit for bit, and the small-row product over it (each block's codes widened in registers) is the
+    float32 weight's product bit for bit, 1-16 rows, with a bias or none; weights not of that form are not coded."""
+    torch.manual_seed(rows * out_features)
+    weight = q4_1_values(torch.randn(out_features, in_features))
+    coded = compact_module.q4_1_coded(weight)
+    assert coded is not None and coded.dtype == torch.uint8 and coded.shape == (out_features, in_features // 32 * 24)
+    assert torch.equal(compact_module.expanded(coded, in_features).view(torch.int32), weight.view(torch.int32))
+    x, b = torch.randn(1, rows, in_features), (torch.randn(out_features) if bias else None)
+    assert torch.equal(kernel(x, coded, b), kernel(x, weight, b))
+    many = torch.randn(17, in_features)  # past the kernel's rows: ATen's product over the decoded weight
+    assert torch.equal(kernel(many, coded, b), F.linear(many, weight, b))
+    assert compact_module.q4_1_coded(torch.randn(out_features, in_features)) is None
+    nudged = weight.clone()
+    nudged[0, 5] = torch.nextafter(nudged[0, 5], torch.tensor(float("inf")))  # one value off the coding's grid
+    assert compact_module.q4_1_coded(nudged) is None
 
 
 def test_what_it_does_not_handle_runs_pytorchs_own_product(kernel):

@@ -54,6 +54,7 @@ from ..tree_attention import causal_block_mask
 from . import native
 from .attention import FLOAT64_SDPA, GROUPED_SDPA, ROW_ATTENTION
 from .calibration import measure_until_quiet
+from .compact import compact_weights
 from .head import HeadProxy, head_proxy, stored_head_proxy
 from .kv_storage import WrittenInPlace
 from .linears import RowDispatch
@@ -67,9 +68,10 @@ MAX_BATCH = 16  # the most requests (batch rows) a graph takes at once (the batc
 GRAPHS = {"few": (1, 16), "tree": (1, MAX_TREE_ROWS), "q4": (1, MAX_TREE_ROWS)}
 WEIGHTLESS = ("few", "q4")  # compiled without their weights: they read the model's own (CompiledStep.load)
 MIN_CACHED = 16  # below this many cached positions the step runs eager (the graphs' cache dimension starts here)
-PACKAGE_FORMAT = 9  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
-# (9: `few` takes the decoder's linear weights that bfloat16 holds exactly in bfloat16: `narrowed_weights`)
-NARROWED = "selfspec_bfloat16_weights"  # a `few` package's metadata: the weights it takes in bfloat16, comma-separated
+PACKAGE_FORMAT = 10  # bumped whenever the graphs' inputs, outputs or row ranges change: older packages are not read
+# (9: `few` takes the decoder's linear weights that bfloat16 holds exactly in bfloat16; 10: and those of a Q4_1 GGUF
+# coded as its blocks: compact.py)
+COMPACT = "selfspec_compact_weights"  # a `few` package's metadata: the weights it takes compact, `name:dtype,...`
 _EXAMPLE_CACHED = 300  # the cache length the graphs are traced with (it stays dynamic)
 FEW_ROWS_ENV = "SELFSPEC_FEW_ROWS"  # fixes the rows up to which steps run in `few` instead of measuring them (tests)
 SPLIT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # the row counts at which `few` and `tree` are timed (up to `few`'s last)
@@ -186,23 +188,9 @@ def _own_storages(model: torch.nn.Module) -> None:
                     module._buffers[name] = copies[id(tensor)]
 
 
-def narrowed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The decoder's linear weights that bfloat16 holds exactly (float32 values whose lower 16 bits are all zero, as a
-    checkpoint released in bfloat16 gives: SmolLM2's, all but its embedding), as bfloat16 copies by their names in the
-    traced step (`_Step`) -> {name: copy}. `few` streams these at half the bytes: selfspec's small-row product widens
-    each back in registers to the very float32 it was and computes exactly as over the float32 weight, so every
-    logit is the float32 graph's bit for bit (test_compiled), in about 0.55x its products' time (docs/execution.md).
-    The output embeddings (the LM head, outside the decoder) stay as they are."""
-    decoder = {id(module) for module in model.get_decoder().modules()}
-    narrowed = {}
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if type(module) is not torch.nn.Linear or id(module) not in decoder or module.weight.dtype != torch.float32:
-                continue
-            weight = module.weight.detach()
-            if not (weight.view(torch.int32) & 0xFFFF).any():
-                narrowed[f"model.{name}.weight"] = weight.to(torch.bfloat16)
-    return narrowed
+def _listing(compact: dict[str, torch.Tensor]) -> str:
+    """The compact weights' names and forms, as a `few` package's metadata records them."""
+    return ",".join(f"{name}:{str(weight.dtype).removeprefix('torch.')}" for name, weight in sorted(compact.items()))
 
 
 def _take_weights(twin: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -320,7 +308,6 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
         "value_stores": [{0: batch, 2: Dim.AUTO}] * layers,
     }
     float64_cache = kind == "q4" and _float64_attention(model)
-    narrowed: dict[str, torch.Tensor] = {}
     head = head_proxy(model.get_output_embeddings().weight) if kind == "few" and _plain_head(model) else None
     flag = head is not None or (kind == "q4" and _takes_flag(model))
     example = _example(model, min(max(low, 6), high), torch.float64 if float64_cache else None, flag)
@@ -350,9 +337,9 @@ def compile_step(model: torch.nn.Module, kind: str, path: Path, on_stage=None) -
             if kind == "tree":
                 _own_storages(traced)
             if kind == "few":
-                narrowed = narrowed_weights(traced)
-                _take_weights(traced, narrowed)
-                options["aot_inductor.metadata"] = {NARROWED: ",".join(narrowed)}
+                compact = compact_weights(traced)
+                _take_weights(traced, compact)
+                options["aot_inductor.metadata"] = {COMPACT: _listing(compact)}
             with _SmallRowProducts() if kind == "few" else contextlib.nullcontext():
                 program = torch.export.export(_Step(traced, head), example, dynamic_shapes=shapes, strict=False)
             if on_stage is not None:
@@ -417,7 +404,7 @@ class CompiledStep:
         self.model, self.model_name, self.dispatch, self.four_bit = model, model_name, dispatch, four_bit
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
         self.runners: dict[str, object] | None = None
-        self.narrowed: dict[str, torch.Tensor] = {}  # bfloat16 copies of the weights `few` takes so (narrowed_weights)
+        self.compact: dict[str, torch.Tensor] = {}  # the weights `few` takes compact (compact.py), by name
         self.dtype = next(model.parameters()).dtype  # the masks' (the q4 path's KV storage may be float64)
         self._directory: Path | None = None
         self.few_rows: int | None = None  # the rows up to which `few` runs, once settled (settle_split)
@@ -482,15 +469,14 @@ class CompiledStep:
             needed = runners[kind].get_constant_fqns()
             if kind == "q4":  # Inductor passes each int4 product its group size as a tensor constant of its own
                 own |= {name: torch.tensor(GROUP) for name in needed if name not in own and name.startswith("constant")}
-            if kind == "few":  # the weights it takes in bfloat16: copies, kept as long as the graph
-                listed = runners[kind].get_metadata().get(NARROWED, "")
-                self.narrowed = narrowed_weights(self.model)
-                if set(filter(None, listed.split(","))) != set(self.narrowed):
+            if kind == "few":  # the weights it takes compact: made now (checked exact), kept as long as the graph
+                self.compact = compact_weights(self.model)
+                if runners[kind].get_metadata().get(COMPACT, "") != _listing(self.compact):
                     raise SelfspecError(
-                        f"the compiled step in {self.directory} takes other bfloat16 weights than this model has: "
+                        f"the compiled step in {self.directory} takes other compact weights than this model has: "
                         "delete it"
                     )
-                own |= self.narrowed
+                own |= self.compact
             if any(name not in own for name in needed):
                 raise SelfspecError(
                     f"the compiled step in {self.directory} expects weights this model does not have: delete it"

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -98,17 +99,76 @@ inline float widen(uint16_t bits) {
   return value;
 }
 
+// Q4_1-coded weights, widened exactly: rows of blocks of 32 weights, each block 24 bytes (its scale d and minimum m as
+// float32, then 16 bytes whose byte j holds the codes of weights j, low nibble, and j + 16, high nibble), weight =
+// fma(d, code, m): d a float16 and code at most 15, d * code is exact and the sum is rounded once, as a 4-bit GGUF's
+// weights are when de-quantised to float32 (d * code + m), so a coded weight is that float32 weight bit for bit
+// (coded_weights, execution/compiled.py, checks every weight before it codes a tensor).
+constexpr int64_t kCodedBlock = 32;       // weights a block codes
+constexpr int64_t kCodedBlockBytes = 24;  // its bytes
+struct Coded {  // where in a coded weight: the weight at `index` (row-major, as in its float32 [N, K] form)
+  const uint8_t* base = nullptr;
+  int64_t index = 0;
+  Coded operator+(int64_t n) const { return {base, index + n}; }
+  const uint8_t* block() const { return base + index / kCodedBlock * kCodedBlockBytes; }
+};
+inline Vec load_weights(Coded p) {
+  const uint8_t* block = p.block();
+  float d, m;
+  std::memcpy(&d, block, sizeof d);
+  std::memcpy(&m, block + 4, sizeof m);
+  const int64_t within = p.index % kCodedBlock;  // a vector lies within one block: kLanes divides kCodedBlock
+  const uint8_t* codes = block + 8 + within % 16;
+#if defined(__AVX512F__)
+  __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
+  wide = within < 16 ? _mm512_and_si512(wide, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(wide, 4);
+  return _mm512_fmadd_ps(broadcast(d), _mm512_cvtepi32_ps(wide), broadcast(m));
+#else
+  __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)codes));
+  wide = within < 16 ? _mm256_and_si256(wide, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(wide, 4);
+  return _mm256_fmadd_ps(broadcast(d), _mm256_cvtepi32_ps(wide), broadcast(m));
+#endif
+}
+inline float weight_at(Coded p, int64_t i) {
+  const Coded at = p + i;
+  const uint8_t* block = at.block();
+  float d, m;
+  std::memcpy(&d, block, sizeof d);
+  std::memcpy(&m, block + 4, sizeof m);
+  const int64_t within = at.index % kCodedBlock;
+  const uint8_t byte = block[8 + within % 16];
+  return std::fma(d, float(within < 16 ? byte & 0x0F : byte >> 4), m);
+}
+inline bool present(Coded p) { return p.base != nullptr; }
+inline const char* address(Coded p) { return reinterpret_cast<const char*>(p.block()); }
+inline bool line_starts(Coded p, int64_t k) { return k % 64 == 0; }  // 48 bytes of blocks a 64 weights: every line
+
 inline Vec load_weights(const float* p) { return load(p); }
 inline Vec load_weights(const uint16_t* p) { return load_wide(p); }
-inline float weight_value(float w) { return w; }
-inline float weight_value(uint16_t w) { return widen(w); }
+inline float weight_at(const float* p, int64_t i) { return p[i]; }
+inline float weight_at(const uint16_t* p, int64_t i) { return widen(p[i]); }
+template <typename T>
+inline bool present(const T* p) { return p != nullptr; }
+template <typename T>
+inline const char* address(const T* p) { return reinterpret_cast<const char*>(p); }
+// whether a vector of weights from k on is the first in its 64-byte line (so that each line is asked for once ahead)
+inline bool line_starts(const float*, int64_t) { return true; }                      // a vector: a line (AVX-512)
+inline bool line_starts(const uint16_t*, int64_t k) { return k % (2 * kLanes) == 0; }  // every other vector
 
 // F weight rows (features) x R input rows: out[r * ldy + f] = dot(x[r], w[f]) + bias[f], the weights float32 or
 // bfloat16 (widened exactly); `ahead`, if given: F more weight rows (the next block) asked of memory as these stream;
 // `far`: each weight line read is followed by a request, into L2, for the line kFarAhead bytes further on
-template <int F, int R, typename T>
-inline void dots(const float* x, int64_t K, const T* w, const float* bias, float* out, int64_t ldy,
-                 const T* ahead = nullptr, bool far = false) {
+template <int F, int R>
+inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, float* out, int64_t ldy, Coded ahead,
+                       bool far);
+
+template <int F, int R, typename W>
+inline void dots(const float* x, int64_t K, W w, const float* bias, float* out, int64_t ldy, W ahead = W(),
+                 bool far = false) {
+  if constexpr (std::is_same_v<W, Coded>) {
+    coded_dots<F, R>(x, K, w, bias, out, ldy, ahead, far);
+    return;
+  }
   Vec acc[F][R];
 #pragma GCC unroll 16
   for (int f = 0; f < F; f++)
@@ -119,13 +179,13 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
     Vec xs[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) xs[r] = load(x + r * K + k);
-    if (ahead != nullptr) {
+    if (present(ahead)) {
 #pragma GCC unroll 16
-      for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(ahead + f * K + k), _MM_HINT_T0);
+      for (int f = 0; f < F; f++) _mm_prefetch(address(ahead + f * K + k), _MM_HINT_T0);
     }
-    if (far && (sizeof(T) == sizeof(float) || k % (2 * kLanes) == 0)) {  // bfloat16: a line every other vector
+    if (far && line_starts(w, k)) {
 #pragma GCC unroll 16
-      for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(w + f * K + k) + kFarAhead, _MM_HINT_T1);
+      for (int f = 0; f < F; f++) _mm_prefetch(address(w + f * K + k) + kFarAhead, _MM_HINT_T1);
     }
 #pragma GCC unroll 16
     for (int f = 0; f < F; f++) {
@@ -139,17 +199,89 @@ inline void dots(const float* x, int64_t K, const T* w, const float* bias, float
       float sum = total(acc[f][r]);
       // one fused multiply-add a tail element, written out: the compiler would contract the two weight types' tails
       // differently, and a bfloat16 weight's results must be its float32 widening's bit for bit
-      for (int64_t k = vector_end; k < K; k++) sum = std::fma(weight_value(w[f * K + k]), x[r * K + k], sum);
+      for (int64_t k = vector_end; k < K; k++) sum = std::fma(weight_at(w, f * K + k), x[r * K + k], sum);
       out[r * ldy + f] = bias == nullptr ? sum : sum + bias[f];
     }
   }
 }
 
+// dots over Q4_1-coded weight rows (K a multiple of 32): a block's codes are read once and widened into its
+// 32 / kLanes vectors of weights, which meet the input in the order dots' vectors do (k = 0, kLanes, ...), so every
+// element is summed exactly as over the float32 weight
+template <int F, int R>
+inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, float* out, int64_t ldy, Coded ahead,
+                       bool far) {
+#if defined(__AVX512F__)
+  const Vec kCodeValues = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+  constexpr int kVectors = kCodedBlock / kLanes;
+  Vec acc[F][R];
+#pragma GCC unroll 16
+  for (int f = 0; f < F; f++)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[f][r] = zero();
+  const int64_t blocks = K / kCodedBlock, row_bytes = blocks * kCodedBlockBytes;
+  const uint8_t* first = w.block();
+  const uint8_t* next = present(ahead) ? ahead.block() : nullptr;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t offset = b * kCodedBlockBytes;
+    const bool line = offset % 64 < kCodedBlockBytes;  // the first block to start in its 64-byte line... or cross it
+    if (next != nullptr && line) {
+#pragma GCC unroll 16
+      for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(next + f * row_bytes + offset), _MM_HINT_T0);
+    }
+    if (far && line) {
+#pragma GCC unroll 16
+      for (int f = 0; f < F; f++)
+        _mm_prefetch(reinterpret_cast<const char*>(first + f * row_bytes + offset) + kFarAhead, _MM_HINT_T1);
+    }
+    Vec xs[R][kVectors];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; v++) xs[r][v] = load(x + r * K + b * kCodedBlock + v * kLanes);
+#pragma GCC unroll 16
+    for (int f = 0; f < F; f++) {
+      const uint8_t* block = first + f * row_bytes + offset;
+      float d, m;
+      std::memcpy(&d, block, sizeof d);
+      std::memcpy(&m, block + 4, sizeof m);
+      const Vec scale = broadcast(d), minimum = broadcast(m);
+      Vec weights[kVectors];
+#if defined(__AVX512F__)
+      // the block's 16 possible weights, fma(d, code, m) for codes 0..15, looked up by each code (a permute reads
+      // the low 4 bits of its index: the low nibble needs no mask)
+      const Vec table = _mm512_fmadd_ps(scale, kCodeValues, minimum);
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block + 8)));
+      weights[0] = _mm512_permutexvar_ps(codes, table);
+      weights[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+#else
+      const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + 8)));
+      const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + 16)));
+      const __m256i mask = _mm256_set1_epi32(0x0F);
+      weights[0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_and_si256(low, mask)), minimum);
+      weights[1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_and_si256(high, mask)), minimum);
+      weights[2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_srli_epi32(low, 4)), minimum);
+      weights[3] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_srli_epi32(high, 4)), minimum);
+#endif
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; v++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) acc[f][r] = fma(weights[v], xs[r][v], acc[f][r]);
+    }
+  }
+  for (int f = 0; f < F; f++)
+    for (int r = 0; r < R; r++) {
+      const float sum = total(acc[f][r]);
+      out[r * ldy + f] = bias == nullptr ? sum : sum + bias[f];
+    }
+}
+
 constexpr const float* kNoBias = nullptr;  // a product without a bias (remaining_features' `bias`)
 
 // the features [n, end) left after the whole blocks, for every input row: one weight row at a time
-template <typename T>
-void remaining_features(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
+template <typename W>
+void remaining_features(const float* x, int64_t rows, int64_t K, W w, const float* bias, float* y, int64_t N,
                         int64_t n, int64_t end) {
   for (; n < end; n++)
     for (int64_t row = 0; row < rows; row++)
@@ -158,33 +290,33 @@ void remaining_features(const float* x, int64_t rows, int64_t K, const T* w, con
 
 // every whole block of F weight rows in the features [begin, end), in order: pass(n, block, its bias, the next block
 // or nullptr for the last); then the features left, one weight row at a time
-template <int F, typename T, typename Pass>
-void by_blocks(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
+template <int F, typename W, typename Pass>
+void by_blocks(const float* x, int64_t rows, int64_t K, W w, const float* bias, float* y, int64_t N,
                int64_t begin, int64_t end, Pass pass) {
   int64_t n = begin;
   for (; n + F <= end; n += F) {
-    const T* block = w + n * K;
-    pass(n, block, bias == nullptr ? nullptr : bias + n, n + 2 * F <= end ? block + F * K : nullptr);
+    W block = w + n * K;
+    pass(n, block, bias == nullptr ? nullptr : bias + n, n + 2 * F <= end ? block + F * K : W());
   }
   remaining_features(x, rows, K, w, bias, y, N, n, end);
 }
 
 // the features [begin, end) of one input row: kOneRowFeatures weight rows read at once
-template <typename T>
-void one_row(const float* x, int64_t K, const T* w, const float* bias, float* y, int64_t begin, int64_t end) {
+template <typename W>
+void one_row(const float* x, int64_t K, W w, const float* bias, float* y, int64_t begin, int64_t end) {
   int64_t n = begin;
   for (; n + kOneRowFeatures <= end; n += kOneRowFeatures)
-    dots<kOneRowFeatures, 1, T>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1, nullptr, true);
+    dots<kOneRowFeatures, 1, W>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, 1, W(), true);
   remaining_features(x, 1, K, w, bias, y, 1, n, end);
 }
 
 // rows [0, R) of x over the features [begin, end) in one pass: each block of F weight rows read once
-template <int F, int R, typename T>
-void one_pass(const float* x, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t begin,
+template <int F, int R, typename W>
+void one_pass(const float* x, int64_t K, W w, const float* bias, float* y, int64_t N, int64_t begin,
               int64_t end) {
   int64_t n = begin;
   for (; n + F <= end; n += F)
-    dots<F, R, T>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N, nullptr, true);
+    dots<F, R, W>(x, K, w + n * K, bias == nullptr ? nullptr : bias + n, y + n, N, W(), true);
   remaining_features(x, R, K, w, bias, y, N, n, end);
 }
 
@@ -194,13 +326,13 @@ void one_pass(const float* x, int64_t K, const T* w, const float* bias, float* y
 // block of kQuadFeatures (random weights of the real shapes, three runs, each interleaved, medians of 31); in the batch
 // engine's steps of four requests, 10.6 ms of products a step against 12.3 (the step 15.5 ms against 16.8), one
 // request's steps unchanged (both kernels in one process taking turns, medians of 5 rounds of 10 steps, 2026-11-29).
-template <typename T>
-void pair_passes(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
+template <typename W>
+void pair_passes(const float* x, int64_t rows, int64_t K, W w, const float* bias, float* y, int64_t N,
                  int64_t begin, int64_t end) {
   constexpr int F = kFeatures;
-  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const T* block, const float* block_bias,
-                                                          const T* next) {
-    dots<F, 2, T>(x, K, block, block_bias, y + n, N, nullptr, true);
+  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, W block, const float* block_bias,
+                                                          W next) {
+    dots<F, 2, W>(x, K, block, block_bias, y + n, N, W(), true);
     if (rows == 4)
       dots<F, 2>(x + 2 * K, K, block, block_bias, y + 2 * N + n, N, next);
     else
@@ -212,17 +344,17 @@ void pair_passes(const float* x, int64_t rows, int64_t K, const T* w, const floa
 // block in one pass, three or four in two (pair_passes). More rows pass over a block of kQuadFeatures weight rows
 // four at a time, the first pass reading it from memory, the others from the L1 cache; the last pass asks for the
 // next block, so that memory keeps streaming while the cached block is computed on.
-template <typename T>
-void many_rows(const float* x, int64_t rows, int64_t K, const T* w, const float* bias, float* y, int64_t N,
+template <typename W>
+void many_rows(const float* x, int64_t rows, int64_t K, W w, const float* bias, float* y, int64_t N,
                int64_t begin, int64_t end) {
-  if (rows == 2) return one_pass<kFeatures, 2, T>(x, K, w, bias, y, N, begin, end);
-  if (rows <= 4) return pair_passes(x, rows, K, w, bias, y, N, begin, end);
+  if (rows == 2) return one_pass<kFeatures, 2, W>(x, K, w, bias, y, N, begin, end);
+  if (rows <= 4 && !std::is_same_v<W, Coded>) return pair_passes(x, rows, K, w, bias, y, N, begin, end);
   constexpr int F = kQuadFeatures;
-  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, const T* block, const float* block_bias,
-                                                          const T* next) {
+  by_blocks<F>(x, rows, K, w, bias, y, N, begin, end, [&](int64_t n, W block, const float* block_bias,
+                                                          W next) {
     int64_t row = 0;
     for (; row + 4 <= rows; row += 4) {
-      const T* ahead = row + 4 >= rows ? next : nullptr;
+      W ahead = row + 4 >= rows ? next : W();
       dots<F, 4>(x + row * K, K, block, block_bias, y + row * N + n, N, ahead, row == 0);
     }
     const float* xr = x + row * K;
@@ -668,18 +800,43 @@ AttendRowsKernel attend_rows_for(int64_t D) {
 }
 #endif
 
+// a Q4_1-coded weight [N, K / 32 * 24] (load_weights(Coded)) as the float32 weight [N, K] it codes
+at::Tensor decoded(const at::Tensor& coded, int64_t K) {
+  const int64_t N = coded.size(0);
+  at::Tensor weight = at::empty({N, K}, coded.options().dtype(at::kFloat));
+  const uint8_t* bytes = coded.data_ptr<uint8_t>();
+  float* out = weight.data_ptr<float>();
+  for (int64_t i = 0; i < N * K; i++) {
+    const uint8_t* block = bytes + i / 32 * 24;
+    float d, m;
+    std::memcpy(&d, block, sizeof d);
+    std::memcpy(&m, block + 4, sizeof m);
+    const int64_t within = i % 32;
+    const uint8_t byte = block[8 + within % 16];
+    out[i] = std::fma(d, float(within < 16 ? byte & 0x0F : byte >> 4), m);
+  }
+  return weight;
+}
+
 at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1);
   const bool wide = weight.scalar_type() == at::kBFloat16;
+  const bool coded = weight.scalar_type() == at::kByte;  // Q4_1-coded (load_weights(Coded)): [N, K / 32 * 24]
+  const int64_t stored = coded ? (K % 32 == 0 ? K / 32 * 24 : -1) : K;  // a weight row's stored elements
   bool ours = input.device().is_cpu() && input.scalar_type() == at::kFloat &&
-              (weight.scalar_type() == at::kFloat || wide) && weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == K && K > 0 && rows <= kMaxRows &&
+              (weight.scalar_type() == at::kFloat || wide || coded) && weight.dim() == 2 &&
+              weight.is_contiguous() && weight.size(1) == stored && K > 0 && rows <= kMaxRows &&
               (!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous()));
 #ifndef SELFSPEC_VECTOR
   ours = false;
 #endif
-  if (!ours && wide && input.scalar_type() == at::kFloat)  // the weight widened (a copy), by ATen's product
-    return at::linear(input, weight.to(at::kFloat), has_bias ? *bias : at::Tensor());
+  if (!ours && input.scalar_type() == at::kFloat && (wide || coded)) {  // the float32 weight (a copy), ATen's product
+    TORCH_CHECK(!coded || (weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == stored),
+                "small_rows: a coded weight is [N, K / 32 * 24] bytes, contiguous");
+    const at::Tensor full = coded ? decoded(weight, K) : weight.to(at::kFloat);
+    return at::linear(input, full, has_bias ? *bias : at::Tensor());
+  }
   if (!ours) return at::linear(input, weight, has_bias ? *bias : at::Tensor());
   const int64_t N = weight.size(0);
   std::vector<int64_t> sizes = input.sizes().vec();
@@ -690,7 +847,7 @@ at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c
   const float* xs = x.data_ptr<float>();
   const float* bs = has_bias ? bias->data_ptr<float>() : nullptr;
   float* ys = output.data_ptr<float>();
-  const auto product = [&](const auto* ws) {
+  const auto product = [&](auto ws) {
     const int64_t blocks = (N + kBlock - 1) / kBlock;
     at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
       const int64_t begin = first * kBlock, end = std::min(N, last * kBlock);
@@ -700,7 +857,9 @@ at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c
         many_rows(xs, rows, K, ws, bs, ys, N, begin, end);
     });
   };
-  if (wide)
+  if (coded)
+    product(Coded{weight.data_ptr<uint8_t>(), 0});
+  else if (wide)
     product(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
   else
     product(weight.data_ptr<float>());
