@@ -6,9 +6,12 @@ transformers forward (no modelling code is copied) into one graph; AOTInductor f
 loops and compiles it into a shared library that any later process loads in about a second. Two graphs:
 - `few`: 1-16 rows (requests x new tokens), traced with every product on selfspec's small-row kernel (native.py:
   the operator `selfspec::small_rows`, which streams each weight as stored at the speed memory allows) and its row
-  attention. Compiled without its weights, it reads the model's own parameters (shared, not copied). Built only where
-  that kernel is. Its rows do not depend on how many rows a call has (both kernels compute each row on its own, in
-  one order): a tree verified in `few` gives each node the logits one-token steps give it, bit for bit.
+  attention. Compiled without its weights, it reads the model's own parameters (shared, not copied), but for the
+  decoder's linear weights that a compact form gives back exactly (a Q4_1 GGUF's coded as its blocks, a bfloat16
+  checkpoint's in bfloat16: compact.py), which it streams in that form (made at load), each product the float32
+  weight's bit for bit. Built only where that kernel is. Its rows do not depend on how many rows a call has (both
+  kernels compute each row on its own, in one order): a tree verified in `few` gives each node the logits one-token
+  steps give it, bit for bit.
 - `tree`: 1-64 new tokens, compiled with Inductor's freezing, so every product runs oneDNN's GEMM on weights packed
   once for small row counts (that packed copy lives in the package).
 A step goes to `few` up to the rows where `few` still runs within 5% of `tree` on this machine (`few_limit`: the graphs
