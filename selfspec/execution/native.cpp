@@ -225,7 +225,7 @@ inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, fl
   const uint8_t* next = present(ahead) ? ahead.block() : nullptr;
   for (int64_t b = 0; b < blocks; b++) {
     const int64_t offset = b * kCodedBlockBytes;
-    const bool line = offset % 64 < kCodedBlockBytes;  // the first block to start in its 64-byte line... or cross it
+    const bool line = offset % 64 < kCodedBlockBytes;  // one block a 64-byte line starts in its first 24 bytes
     if (next != nullptr && line) {
 #pragma GCC unroll 16
       for (int f = 0; f < F; f++) _mm_prefetch(reinterpret_cast<const char*>(next + f * row_bytes + offset), _MM_HINT_T0);
