@@ -205,16 +205,39 @@ inline void dots(const float* x, int64_t K, W w, const float* bias, float* out, 
   }
 }
 
+constexpr int kBlockVectors = kCodedBlock / kLanes;  // vectors of weights a coded block holds
+
+// a coded block's 32 weights, widened: their exact float32 values, kLanes at a time in the order of k
+inline void widen_block(const uint8_t* block, Vec* weights) {
+  float d, m;
+  std::memcpy(&d, block, sizeof d);
+  std::memcpy(&m, block + 4, sizeof m);
+  const Vec scale = broadcast(d), minimum = broadcast(m);
+#if defined(__AVX512F__)
+  // the block's 16 possible weights, fma(d, code, m) for codes 0..15, looked up by each code (a permute reads the low
+  // 4 bits of its index: the low nibble needs no mask)
+  const Vec table = _mm512_fmadd_ps(scale, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), minimum);
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block + 8)));
+  weights[0] = _mm512_permutexvar_ps(codes, table);
+  weights[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+#else
+  const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + 8)));
+  const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + 16)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  weights[0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_and_si256(low, mask)), minimum);
+  weights[1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_and_si256(high, mask)), minimum);
+  weights[2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_srli_epi32(low, 4)), minimum);
+  weights[3] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_srli_epi32(high, 4)), minimum);
+#endif
+}
+
 // dots over Q4_1-coded weight rows (K a multiple of 32): a block's codes are read once and widened into its
 // 32 / kLanes vectors of weights, which meet the input in the order dots' vectors do (k = 0, kLanes, ...), so every
 // element is summed exactly as over the float32 weight
 template <int F, int R>
 inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, float* out, int64_t ldy, Coded ahead,
                        bool far) {
-#if defined(__AVX512F__)
-  const Vec kCodeValues = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#endif
-  constexpr int kVectors = kCodedBlock / kLanes;
+  constexpr int kVectors = kBlockVectors;
   Vec acc[F][R];
 #pragma GCC unroll 16
   for (int f = 0; f < F; f++)
@@ -235,39 +258,15 @@ inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, fl
       for (int f = 0; f < F; f++)
         _mm_prefetch(reinterpret_cast<const char*>(first + f * row_bytes + offset) + kFarAhead, _MM_HINT_T1);
     }
-    Vec xs[R][kVectors];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-      for (int v = 0; v < kVectors; v++) xs[r][v] = load(x + r * K + b * kCodedBlock + v * kLanes);
+    const float* xb = x + b * kCodedBlock;
 #pragma GCC unroll 16
     for (int f = 0; f < F; f++) {
-      const uint8_t* block = first + f * row_bytes + offset;
-      float d, m;
-      std::memcpy(&d, block, sizeof d);
-      std::memcpy(&m, block + 4, sizeof m);
-      const Vec scale = broadcast(d), minimum = broadcast(m);
       Vec weights[kVectors];
-#if defined(__AVX512F__)
-      // the block's 16 possible weights, fma(d, code, m) for codes 0..15, looked up by each code (a permute reads
-      // the low 4 bits of its index: the low nibble needs no mask)
-      const Vec table = _mm512_fmadd_ps(scale, kCodeValues, minimum);
-      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block + 8)));
-      weights[0] = _mm512_permutexvar_ps(codes, table);
-      weights[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-#else
-      const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + 8)));
-      const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(block + 16)));
-      const __m256i mask = _mm256_set1_epi32(0x0F);
-      weights[0] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_and_si256(low, mask)), minimum);
-      weights[1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_and_si256(high, mask)), minimum);
-      weights[2] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_srli_epi32(low, 4)), minimum);
-      weights[3] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_srli_epi32(high, 4)), minimum);
-#endif
+      widen_block(first + f * row_bytes + offset, weights);
 #pragma GCC unroll 4
       for (int v = 0; v < kVectors; v++)
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) acc[f][r] = fma(weights[v], xs[r][v], acc[f][r]);
+        for (int r = 0; r < R; r++) acc[f][r] = fma(weights[v], load(xb + r * K + v * kLanes), acc[f][r]);
     }
   }
   for (int f = 0; f < F; f++)
