@@ -103,7 +103,7 @@ inline float widen(uint16_t bits) {
 // float32, then 16 bytes whose byte j holds the codes of weights j, low nibble, and j + 16, high nibble), weight =
 // fma(d, code, m): d a float16 and code at most 15, d * code is exact and the sum is rounded once, as a 4-bit GGUF's
 // weights are when de-quantised to float32 (d * code + m), so a coded weight is that float32 weight bit for bit
-// (coded_weights, execution/compiled.py, checks every weight before it codes a tensor).
+// (q4_1_coded, execution/compact.py, checks every weight before it codes a tensor).
 constexpr int64_t kCodedBlock = 32;       // weights a block codes
 constexpr int64_t kCodedBlockBytes = 24;  // its bytes
 struct Coded {  // where in a coded weight: the weight at `index` (row-major, as in its float32 [N, K] form)
@@ -112,36 +112,7 @@ struct Coded {  // where in a coded weight: the weight at `index` (row-major, as
   Coded operator+(int64_t n) const { return {base, index + n}; }
   const uint8_t* block() const { return base + index / kCodedBlock * kCodedBlockBytes; }
 };
-inline Vec load_weights(Coded p) {
-  const uint8_t* block = p.block();
-  float d, m;
-  std::memcpy(&d, block, sizeof d);
-  std::memcpy(&m, block + 4, sizeof m);
-  const int64_t within = p.index % kCodedBlock;  // a vector lies within one block: kLanes divides kCodedBlock
-  const uint8_t* codes = block + 8 + within % 16;
-#if defined(__AVX512F__)
-  __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)codes));
-  wide = within < 16 ? _mm512_and_si512(wide, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(wide, 4);
-  return _mm512_fmadd_ps(broadcast(d), _mm512_cvtepi32_ps(wide), broadcast(m));
-#else
-  __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)codes));
-  wide = within < 16 ? _mm256_and_si256(wide, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(wide, 4);
-  return _mm256_fmadd_ps(broadcast(d), _mm256_cvtepi32_ps(wide), broadcast(m));
-#endif
-}
-inline float weight_at(Coded p, int64_t i) {
-  const Coded at = p + i;
-  const uint8_t* block = at.block();
-  float d, m;
-  std::memcpy(&d, block, sizeof d);
-  std::memcpy(&m, block + 4, sizeof m);
-  const int64_t within = at.index % kCodedBlock;
-  const uint8_t byte = block[8 + within % 16];
-  return std::fma(d, float(within < 16 ? byte & 0x0F : byte >> 4), m);
-}
 inline bool present(Coded p) { return p.base != nullptr; }
-inline const char* address(Coded p) { return reinterpret_cast<const char*>(p.block()); }
-inline bool line_starts(Coded p, int64_t k) { return k % 64 == 0; }  // 48 bytes of blocks a 64 weights: every line
 
 inline Vec load_weights(const float* p) { return load(p); }
 inline Vec load_weights(const uint16_t* p) { return load_wide(p); }
@@ -158,17 +129,9 @@ inline bool line_starts(const uint16_t*, int64_t k) { return k % (2 * kLanes) ==
 // F weight rows (features) x R input rows: out[r * ldy + f] = dot(x[r], w[f]) + bias[f], the weights float32 or
 // bfloat16 (widened exactly); `ahead`, if given: F more weight rows (the next block) asked of memory as these stream;
 // `far`: each weight line read is followed by a request, into L2, for the line kFarAhead bytes further on
-template <int F, int R>
-inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, float* out, int64_t ldy, Coded ahead,
-                       bool far);
-
 template <int F, int R, typename W>
-inline void dots(const float* x, int64_t K, W w, const float* bias, float* out, int64_t ldy, W ahead = W(),
-                 bool far = false) {
-  if constexpr (std::is_same_v<W, Coded>) {
-    coded_dots<F, R>(x, K, w, bias, out, ldy, ahead, far);
-    return;
-  }
+inline void stored_dots(const float* x, int64_t K, W w, const float* bias, float* out, int64_t ldy, W ahead,
+                        bool far) {
   Vec acc[F][R];
 #pragma GCC unroll 16
   for (int f = 0; f < F; f++)
@@ -274,6 +237,16 @@ inline void coded_dots(const float* x, int64_t K, Coded w, const float* bias, fl
       const float sum = total(acc[f][r]);
       out[r * ldy + f] = bias == nullptr ? sum : sum + bias[f];
     }
+}
+
+// dots over F weight rows in whichever form they are stored (float32, bfloat16: stored_dots; Q4_1-coded: coded_dots)
+template <int F, int R, typename W>
+inline void dots(const float* x, int64_t K, W w, const float* bias, float* out, int64_t ldy, W ahead = W(),
+                 bool far = false) {
+  if constexpr (std::is_same_v<W, Coded>)
+    coded_dots<F, R>(x, K, w, bias, out, ldy, ahead, far);
+  else
+    stored_dots<F, R, W>(x, K, w, bias, out, ldy, ahead, far);
 }
 
 constexpr const float* kNoBias = nullptr;  // a product without a bias (remaining_features' `bias`)
