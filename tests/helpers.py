@@ -182,12 +182,30 @@ CHI_PROMPT = [
 SAMPLING = SamplingConfig(temperature=1.0, top_k=6, top_p=0.9)
 
 
-def chi_target(num_hidden_layers: int = 1, path: str = "auto", family: str = "llama") -> Target:
-    """A tiny target over VOCAB tokens with spread-out distributions, no EOS."""
+def chi_target(num_hidden_layers: int = 1, path: str = "auto", family: str = "llama", compact: bool = False) -> Target:
+    """A tiny target over VOCAB tokens with spread-out distributions, no EOS. `compact`: layer 0's q and up projections
+    in the Q4_1 GGUF's float32 form and its down projection in bfloat16's (the compiled `few` graph takes those
+    compact: execution/compact.py)."""
     target = make_tiny_target(
-        family, vocab_size=VOCAB, initializer_range=0.15, num_hidden_layers=num_hidden_layers, path=path
+        family,
+        vocab_size=VOCAB,
+        initializer_range=0.15,
+        num_hidden_layers=num_hidden_layers,
+        path="auto" if compact else path,
     )
-    return target.with_eos(())
+    if not compact:
+        return target.with_eos(())
+    give_compact_forms(target.model)  # before the path reads the weights
+    return Target(model=target.model, tokenizer=None, name=target.name, path=path).with_eos(())
+
+
+def give_compact_forms(model: torch.nn.Module) -> None:
+    """Layer 0's q and up projections rounded to a Q4_1 GGUF's float32 values, its down projection to bfloat16's."""
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        for weight in (layer.self_attn.q_proj.weight, layer.mlp.up_proj.weight):
+            weight.copy_(q4_1_values(weight))
+        layer.mlp.down_proj.weight.copy_(layer.mlp.down_proj.weight.bfloat16().float())
 
 
 def expected_joint(target, prompt: list[int] = CHI_PROMPT) -> torch.Tensor:

@@ -33,6 +33,7 @@ from .helpers import (
     chi_square_p_value,
     chi_target,
     expected_joint,
+    give_compact_forms,
     hf_greedy,
     make_tiny_target,
     model_as_made,
@@ -323,14 +324,15 @@ def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family
     assert sorted(path.name for path in target.execution.compiled.directory.glob("*.pt2")) == ["tree.pt2"]
 
 
-@pytest.mark.parametrize("family, stock_rows", [("llama", "1"), ("qwen3", "1"), ("llama", "8")])
+@pytest.mark.parametrize("family, stock_rows", [("llama", "1"), ("qwen3", "1"), ("llama", "8"), ("qwen2", "8")])
 def test_sampling_through_the_compiled_path_follows_the_target_distribution(
     compiled_target, family, stock_rows, monkeypatch
 ):
     """The chi-square check of test_chisquare, with a prompt long enough that every tree step runs compiled; steps of
-    1-3 tokens in `tree` (a row split at 1), or in `few` (at 8)."""
+    1-3 tokens in `tree` (a row split at 1), or in `few` (at 8: over weights in compact forms, among them qwen2's
+    biased q projection coded)."""
     monkeypatch.setenv("SELFSPEC_STOCK_ROWS", stock_rows)
-    target = chi_target(path="compiled", family=family)
+    target = chi_target(path="compiled", family=family, compact=stock_rows == "8")
     target.execution.compiled.log = lambda message: None
     graphs = []
     choose = CompiledStep.graph_for
@@ -341,6 +343,26 @@ def test_sampling_through_the_compiled_path_follows_the_target_distribution(
     counts = sample_joint(target, BigramTreeDrafter(target, drawn=True, without_replacement=True), 12_000, prompt)
     assert chi_square_p_value(counts, expected_joint(target, prompt)) > 1e-3
     assert {graph for n, graph in graphs if n < 4} == {"few" if stock_rows == "8" else "tree"}
+    if stock_rows == "8":
+        forms = {weight.dtype for weight in target.execution.compiled.compact.values()}
+        assert len(target.execution.compiled.compact) == 3 and forms == {torch.uint8, torch.bfloat16}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_a_second_family_in_few_over_compact_weights_is_plain_greedy(family, tmp_path, monkeypatch):
+    """Greedy equality with HF `generate` through `few` over weights in compact forms on other architectures than the
+    module's Llama (qwen2: its q projection, coded, has a bias; gemma: another MLP and norm)."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SELFSPEC_STOCK_ROWS", "8")
+    base = without_eos(make_tiny_target(family, max_position_embeddings=512))
+    give_compact_forms(base.model)
+    target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
+    target.execution.compiled.log = lambda message: None
+    reference = hf_greedy(target, LONG_PROMPT, 30, eos=-1)
+    for spec in ("none", "ngram"):
+        tokens, _ = speculative_generate(target, create_drafter(spec, target), torch.tensor(LONG_PROMPT), 30)
+        assert list(tokens) == reference, f"{family} {spec}"
+    assert "few" in target.execution.compiled.runners and len(target.execution.compiled.compact) == 3
 
 
 def test_packages_are_compiled_once_and_then_loaded(compiled_target):
