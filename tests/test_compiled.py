@@ -308,17 +308,27 @@ def test_greedy_through_the_compiled_path_is_plain_greedy(compiled_target, tmp_p
         assert list(tokens) == reference, spec
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma"])
-def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family, tmp_path, monkeypatch):
+def _decodes_as_plain_greedy(family: str, stock_rows: str, compact: bool, tmp_path, monkeypatch) -> Target:
+    """A tiny `family` model on the compiled path (a cache of its own, the row split at `stock_rows`; `compact`: some
+    weights in compact forms) whose `none` and `ngram` decoding equal HF `generate`'s greedy tokens -> its target."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("SELFSPEC_STOCK_ROWS", "1")  # every step in `tree` (`few` is covered on llama)
+    monkeypatch.setenv("SELFSPEC_STOCK_ROWS", stock_rows)
     base = without_eos(make_tiny_target(family, max_position_embeddings=512))
+    if compact:
+        give_compact_forms(base.model)
     target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
     target.execution.compiled.log = lambda message: None
     reference = hf_greedy(target, LONG_PROMPT, 30, eos=-1)
     for spec in ("none", "ngram"):
         tokens, _ = speculative_generate(target, create_drafter(spec, target), torch.tensor(LONG_PROMPT), 30)
         assert list(tokens) == reference, f"{family} {spec}"
+    return target
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma"])
+def test_other_full_attention_families_compile_and_decode_as_plain_greedy(family, tmp_path, monkeypatch):
+    # a row split at one row: every step in `tree` (`few` is covered on llama, and below)
+    target = _decodes_as_plain_greedy(family, "1", False, tmp_path, monkeypatch)
     assert target.execution.name == "compiled" and set(target.execution.compiled.runners) == {"tree"}
     # A row split at one row sends no step to `few`: it is not built.
     assert sorted(path.name for path in target.execution.compiled.directory.glob("*.pt2")) == ["tree.pt2"]
@@ -352,16 +362,7 @@ def test_sampling_through_the_compiled_path_follows_the_target_distribution(
 def test_a_second_family_in_few_over_compact_weights_is_plain_greedy(family, tmp_path, monkeypatch):
     """Greedy equality with HF `generate` through `few` over weights in compact forms on other architectures than the
     module's Llama (qwen2: its q projection, coded, has a bias; gemma: another MLP and norm)."""
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("SELFSPEC_STOCK_ROWS", "8")
-    base = without_eos(make_tiny_target(family, max_position_embeddings=512))
-    give_compact_forms(base.model)
-    target = Target(model=base.model, tokenizer=None, name=base.name, path="compiled").with_eos(())
-    target.execution.compiled.log = lambda message: None
-    reference = hf_greedy(target, LONG_PROMPT, 30, eos=-1)
-    for spec in ("none", "ngram"):
-        tokens, _ = speculative_generate(target, create_drafter(spec, target), torch.tensor(LONG_PROMPT), 30)
-        assert list(tokens) == reference, f"{family} {spec}"
+    target = _decodes_as_plain_greedy(family, "8", True, tmp_path, monkeypatch)
     assert "few" in target.execution.compiled.runners and len(target.execution.compiled.compact) == 3
 
 
