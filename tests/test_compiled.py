@@ -5,6 +5,7 @@ on 2 cores)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import types
 import zipfile
@@ -501,8 +502,23 @@ def test_the_compile_command_builds_the_graphs_ahead(tiny_checkpoint, tmp_path, 
     assert "graphs few, tree (row split at 2)" in out and "building few, tree" in out and "done in" in out
     (directory,) = (tmp_path / "compiled").iterdir()
     assert sorted(path.name for path in directory.glob("*.pt2")) == ["few.pt2", "tree.pt2"]
+    # an older package format's packages of the same model and machine are never read again: removed, except one
+    # an older selfspec is building now; other keys are left alone
+    current = f"--format{compiled_module.PACKAGE_FORMAT}--"
+    older = [directory.parent / directory.name.replace(current, f"--format{n}--") for n in (1, 9)]
+    building = directory.parent / directory.name.replace(current, "--format8--")
+    other_versions = directory.parent / (directory.name.replace(current, "--format9--") + "-other")
+    other_model = directory.parent / ("x" + directory.name.replace(current, "--format9--"))
+    for stale in (*older, building, other_versions, other_model):
+        stale.mkdir()
+        (stale / "tree.pt2").write_bytes(b"0" * 3 * 2**20)
+    (building / "compile.pid").write_text(str(os.getpid()))  # a live build
     assert main(["compile", "--model", str(tiny_checkpoint)]) == 0  # stored: loaded, nothing built
-    assert "all stored already" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "all stored already" in out and out.count("an older package format's") == 2
+    assert f"removed {older[0].name} (3 MB)" in out
+    kept = {path.name for path in (tmp_path / "compiled").iterdir()}
+    assert kept == {directory.name, building.name, other_versions.name, other_model.name}
 
 
 def test_a_frozen_graph_of_weights_on_huge_pages_stores_each_weight_once(tmp_path):

@@ -248,7 +248,14 @@ def _compile(args) -> None:
     from ..cost import target_cost_curve
     from ..errors import SelfspecError, first_line
     from ..execution import COMPILE_ENV
-    from ..execution.background import LOG_FILE, build_locked, compiling_elsewhere, lowest_priority
+    from ..execution.background import (
+        LOG_FILE,
+        build_locked,
+        compiling_elsewhere,
+        lowest_priority,
+        remove_superseded,
+    )
+    from ..execution.compiled import PACKAGE_FORMAT
     from ..models import load_target
 
     if args.device not in (None, "cpu") or args.dtype not in (None, "float32"):  # before the model loads
@@ -280,6 +287,8 @@ def _compile(args) -> None:
     if built is None:  # a request started this, and another build already runs
         print("selfspec compile: another process is building these graphs; leaving it to that one")
         return
+    for old, size in remove_superseded(step.directory, PACKAGE_FORMAT):  # no process of this version reads them
+        print(f"selfspec compile: removed {old.name} ({size / 2**20:.0f} MB), an older package format's", flush=True)
     target.execution.prepare()  # loads what was just stored (and times `few` against `tree` once, where both are)
     curve = target_cost_curve(target)  # the compiled path's cost curve, measured once here if none is stored
     few = step.few_limit()

@@ -11,12 +11,18 @@ Beside the packages: `compile.lock`, held (flock) by whichever process compiles,
 `compile.pid`, the build a request started (alive, it counts as building before its model has loaded and it takes the
 lock), so a second process does not start another build; `compile-failed.txt`, the reason a build failed, so later
 processes stay on the fast path instead of failing again every time (`selfspec compile` tries again and clears it).
+
+A package format that changed leaves the older packages of the same model and machine behind (their key differs in
+`--formatN` alone): no process of this version reads them again, and each holds the float32 path's packed weights (658
+MB on SmolLM2-135M). `selfspec compile` removes them once the current packages are stored (`remove_superseded`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -68,6 +74,35 @@ def compiling_elsewhere(directory: Path) -> bool:
     except (OSError, ValueError):  # no such file or process (it ended), or no right to signal it: not ours
         return False
     return True
+
+
+def superseded(directory: Path, current_format: int) -> list[Path]:
+    """The package directories beside `directory` (whose key holds `--format{current_format}--`) that differ from it
+    only by an older package format."""
+    marker = f"--format{current_format}--"
+    if marker not in directory.name or not directory.parent.is_dir():
+        return []
+    before, after = directory.name.split(marker, 1)
+    key = re.compile(re.escape(before) + r"--format(\d+)--" + re.escape(after))
+    return sorted(
+        sibling
+        for sibling in directory.parent.iterdir()
+        if sibling.is_dir() and (match := key.fullmatch(sibling.name)) and int(match.group(1)) < current_format
+    )
+
+
+def remove_superseded(directory: Path, current_format: int) -> list[tuple[Path, int]]:
+    """Remove `superseded(directory, current_format)`, except one another process is building (an older selfspec)
+    -> each removed directory and the bytes it held."""
+    removed = []
+    for old in superseded(directory, current_format):
+        if compiling_elsewhere(old):
+            continue
+        size = sum(path.stat().st_size for path in old.rglob("*") if path.is_file())
+        shutil.rmtree(old, ignore_errors=True)
+        if not old.exists():
+            removed.append((old, size))
+    return removed
 
 
 def recorded_failure(directory: Path) -> str | None:
