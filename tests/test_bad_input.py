@@ -214,3 +214,31 @@ def test_a_too_long_prompt_for_the_default_model_is_refused_before_its_first_con
     err = capsys.readouterr().err.strip()
     assert err.startswith("selfspec: error:") and len(err.splitlines()) == 1 and "no room" in err, err
     assert not (tmp_path / "models").exists()  # nothing converted
+
+
+_LIGHT_PROBE = """
+import sys
+import selfspec
+from selfspec.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    print(exit.code, "torch" in sys.modules, "transformers" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate"], ["serve", "--port", "x"], ["nosuch"]])
+def test_help_and_malformed_arguments_answer_before_torch_is_imported(argv):
+    """`selfspec --help` and the arguments argparse refuses answer at once: importing selfspec (and its CLI) imports
+    neither torch nor transformers (4 s on the 2-core EPYC), which its names load when first used."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _LIGHT_PROBE, *argv], capture_output=True, text=True, timeout=60)
+    code, torch_loaded, transformers_loaded = result.stdout.split()[-3:]
+    assert code == ("0" if argv == ["--help"] else "2") and (torch_loaded, transformers_loaded) == ("False", "False")
+    import selfspec
+
+    assert selfspec.SelfSpec is SelfSpec and "SelfSpec" in dir(selfspec)
+    with pytest.raises(AttributeError, match="no attribute 'nosuch'"):
+        selfspec.nosuch  # noqa: B018
