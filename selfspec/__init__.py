@@ -33,28 +33,4 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CostCurve",
-    "DraftRequest",
-    "DraftTree",
-    "Drafter",
-    "GenerationResult",
-    "GenerationStats",
-    "ModelFingerprint",
-    "Observation",
-    "SamplingConfig",
-    "SelfSpec",
-    "SelfspecError",
-    "Target",
-    "TextStream",
-    "VerifyResult",
-    "create_drafter",
-    "drafter_names",
-    "load_cost_curve",
-    "load_target",
-    "logits_to_probs",
-    "measure_cost_curve",
-    "register_drafter",
-    "speculative_generate",
-    "verify",
-]
+__all__ = sorted(_MODULE_OF)

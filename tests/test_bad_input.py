@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -231,9 +233,6 @@ except SystemExit as exit:
 def test_help_and_malformed_arguments_answer_before_torch_is_imported(argv):
     """`selfspec --help` and the arguments argparse refuses answer at once: importing selfspec (and its CLI) imports
     neither torch nor transformers (4 s on the 2-core EPYC), which its names load when first used."""
-    import subprocess
-    import sys
-
     result = subprocess.run([sys.executable, "-c", _LIGHT_PROBE, *argv], capture_output=True, text=True, timeout=60)
     code, torch_loaded, transformers_loaded = result.stdout.split()[-3:]
     assert code == ("0" if argv == ["--help"] else "2") and (torch_loaded, transformers_loaded) == ("False", "False")

@@ -22,12 +22,12 @@ EXPLORE_AFTER = 4
 EXPLORE_MAX = 64
 # How a source that does not pay is paused: a quarter of a drafter alone's share (PauseRule), so such a source costs
 # about 0.5% of the merged steps' speed, not 2%. Beside prompt lookup the default sources' heads mostly lose on a small
-# CPU (each probe of EAGLE first runs its layer over the tokens committed since the last one; a Medusa proposal took
-# 1.2 ms against 4.5 ms steps): `auto` at 0.005 against 0.02, the default model on the compiled path, 2-core Zen 5,
-# one process, interleaved, 128 tokens a prompt, every output plain decoding's: 1.055x against 1.022x `none` (MT-bench
-# and HumanEval, 8 each), 1.044x against 1.007x (MT-bench, HumanEval and ShareGPT, 6 each), 1.101x against 1.091x
-# (ShareGPT and HumanEval, 8 each; 0.01: 1.108x); on q4 1.101x against 1.064x. A drafter alone keeps 0.02: eagle,
-# medusa and dflash alone came out the same at 0.005 (within 1%).
+# CPU (an asked EAGLE proposal took 5.6-6.5 ms: its catch-up over the tokens committed since it last drafted and a head
+# forward for each level of its tree; a Medusa proposal 1.2 ms; steps 4.5 ms): `auto` at 0.005 against 0.02, the default
+# model on the compiled path, 2-core Zen 5, one process, interleaved, 128 tokens a prompt, every output plain
+# decoding's: 1.055x against 1.022x `none` (MT-bench and HumanEval, 8 each), 1.044x against 1.007x (MT-bench, HumanEval
+# and ShareGPT, 6 each), 1.101x against 1.091x (ShareGPT and HumanEval, 8 each; 0.01: 1.108x); on q4 1.101x against
+# 1.064x. A drafter alone keeps 0.02: eagle, medusa and dflash alone came out the same at 0.005 (within 1%).
 SOURCE_PAUSE_RULE = PauseRule(share=0.005)
 
 
