@@ -145,7 +145,7 @@ def _generate(
         # 1. Prefill everything but the last prompt token: that one is the first tree's root.
         cache = target.new_cache()
         prefill = (
-            chunk_forward(forward, cache, input_ids[:, :-1], drafter.hidden_layers, last_only=True)
+            chunk_forward(forward, cache, input_ids[:, :-1], drafter.hidden_layers, logits=False)
             if committed[1:]
             else None
         )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from selfspec.batch import BatchEngine, BatchRequest, RaggedCache
-from selfspec.batch.engine import PREFILL_CHUNK
+from selfspec.batch.engine import PREFILL_CHUNK, _step_inputs
 from selfspec.batch.pacing import (
     FIRST_PAUSE,
     PRICE_REFRESH,
@@ -21,6 +21,7 @@ from selfspec.errors import SelfspecError
 from selfspec.heads import create_drafter
 from selfspec.heads.paced import PlainStep
 from selfspec.sampling import SamplingConfig
+from selfspec.tree_attention import DraftTree
 
 from .helpers import (
     PROMPT,
@@ -151,6 +152,28 @@ def test_the_ragged_cache_keeps_rows_apart():
     assert torch.equal(layer.store[0][1, :, :2], new[1]) and torch.equal(layer.store[1][1, :, :2], new[1])
     assert cache.drop_row(0) == 1 and cache.lengths == [2]  # the last row moves into the freed one
     assert torch.equal(layer.store[0][0, :, :2], new[1])
+
+
+def test_a_steps_inputs_show_each_row_its_prefix_and_ancestors_alone():
+    """Hand-written: row 0 (3 cached positions) verifies its root alone, row 1 (1 cached) a root with two children,
+    both padded to 4 nodes and written after the longest prefix (positions 3-6 of the keys)."""
+    trees = [
+        DraftTree(torch.tensor([5]), torch.tensor([-1])),
+        DraftTree(torch.tensor([7, 8, 9]), torch.tensor([-1, 0, 0])),
+    ]
+    input_ids, positions, mask = _step_inputs(trees, [3, 1], 4, torch.float32)
+    assert input_ids.tolist() == [[5, 5, 5, 5], [7, 8, 9, 7]]  # padding repeats the root's token
+    assert positions.tolist() == [[3, 3, 3, 3], [1, 2, 2, 1]]  # the length plus the depth; padding at the root's
+    seen = [  # the keys each node sees
+        [[0, 1, 2, 3], [4], [5], [6]],  # row 0: the root its prefix and itself; padding nodes themselves alone
+        [[0, 3], [0, 3, 4], [0, 3, 5], [6]],  # row 1: never row 0's longer prefix (keys 1, 2), nor a sibling
+    ]
+    lowest = torch.finfo(torch.float32).min
+    expected = torch.full((2, 1, 4, 7), lowest)
+    for row, nodes in enumerate(seen):
+        for node, keys in enumerate(nodes):
+            expected[row, 0, node, keys] = 0.0
+    assert mask.dtype == torch.float32 and torch.equal(mask, expected)
 
 
 def test_bad_engines_and_requests_are_refused(tmp_path):

@@ -96,8 +96,8 @@ def test_single_token_prompt():
 
 
 @pytest.mark.parametrize("family", CORE_FAMILIES)
-def test_prefill_runs_the_lm_head_over_its_last_position_alone(family):
-    """A prefill reads no logits: the LM head (49,152 rows on SmolLM2) runs over one position, not the prompt's."""
+def test_prefill_runs_the_lm_head_over_no_position(family):
+    """A prefill reads no logits: the LM head (49,152 rows on SmolLM2) runs over none of the prompt's positions."""
     from selfspec.batch import BatchEngine, BatchRequest
 
     target = make_tiny_target(family).with_eos(())
@@ -106,13 +106,13 @@ def test_prefill_runs_the_lm_head_over_its_last_position_alone(family):
     handle = head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[-2]))
     try:
         speculative_generate(target, create_drafter("none", target), torch.tensor(PROMPT), 3)
-        assert rows == [1, 1, 1, 1], rows  # the prefill, then three one-token steps
+        assert rows == [0, 1, 1, 1], rows  # the prefill, then three one-token steps
         if target.sliding_window is not None:
             return  # batched decoding covers full-attention models
         rows.clear()
         engine = BatchEngine(target, lambda: create_drafter("none", target), slots=2)
         engine.submit(BatchRequest(list(PROMPT), 2))
         engine.run()
-        assert rows == [1, 1, 1], rows
+        assert rows == [0, 1, 1], rows
     finally:
         handle.remove()

@@ -255,7 +255,7 @@ class BatchEngine:
             prefill.cache = self.target.new_cache()
         hidden_layers = self.drafters[prefill.slot].hidden_layers
         ids = torch.tensor([chunk], device=self.target.device)
-        output = chunk_forward(self.target.forward, prefill.cache, ids, hidden_layers, last_only=True)
+        output = chunk_forward(self.target.forward, prefill.cache, ids, hidden_layers, logits=False)
         for layer, states in output.hidden.items():
             prefill.parts.setdefault(layer, []).append(states[: len(prefix) - start])  # the real positions
         prefill.done = end
@@ -322,24 +322,8 @@ class BatchEngine:
     def _forward(self, trees: list[DraftTree], widest: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One target forward over every row's tree, padded to `widest` nodes -> logits [rows, widest, V] and the
         drafters' hidden layers."""
-        device, dtype = self.target.device, self.target.dtype
-        rows = len(trees)
-        lengths = self.cache.lengths
-        start = max(lengths)  # every row's nodes are written after the longest prefix (cache.py)
-        lowest = torch.finfo(dtype).min
-        input_ids = torch.zeros(rows, widest, dtype=torch.long)
-        positions = torch.zeros(rows, widest, dtype=torch.long)
-        mask = torch.full((rows, 1, widest, start + widest), lowest, dtype=dtype)
-        for row, (tree, cached) in enumerate(zip(trees, lengths, strict=True)):
-            n = tree.size
-            input_ids[row, :n] = tree.tokens
-            input_ids[row, n:] = tree.token_list[0]  # padding nodes: never read, they see themselves only
-            positions[row, :n] = cached + torch.tensor(tree.depth_list)
-            positions[row, n:] = cached
-            mask[row, 0, :n, :cached] = 0
-            mask[row, 0, :n, start : start + n].masked_fill_(ancestor_matrix(tree), 0)
-            padding = torch.arange(n, widest)
-            mask[row, 0, padding, start + padding] = 0
+        device = self.target.device
+        input_ids, positions, mask = _step_inputs(trees, self.cache.lengths, widest, self.target.dtype)
         layers = sorted({layer for running in self.running for layer in self.drafters[running.slot].hidden_layers})
         output = self.target.forward(
             input_ids.to(device),
@@ -436,6 +420,33 @@ class BatchEngine:
             by_source,
             running.cached_tokens,
         )
+
+
+def _step_inputs(
+    trees: list[DraftTree], lengths: list[int], widest: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's input ids and positions [rows, widest] and its mask [rows, 1, widest, start + widest] (start: the
+    longest row's length, where every row's nodes are written, cache.py). Row r's nodes sit at lengths[r] + their
+    depth and see its prefix [0, lengths[r]), themselves and their ancestors; its padding nodes (the root's token, at
+    the root's position) see themselves alone. Built for all rows at once: per row, ten small tensor operations took
+    0.3 ms of a step of four requests."""
+    rows, start = len(trees), max(lengths)
+    sizes = torch.tensor([tree.size for tree in trees]).view(rows, 1)
+    cached = torch.tensor(lengths).view(rows, 1)
+    nodes = torch.arange(widest).view(1, widest)
+    real = nodes < sizes  # [rows, widest]: not padding
+    input_ids = torch.tensor([tree.token_list + tree.token_list[:1] * (widest - tree.size) for tree in trees])
+    depths = torch.tensor([tree.depth_list + (0,) * (widest - tree.size) for tree in trees])
+    positions = cached + depths
+    seen = torch.zeros(rows, widest, start + widest, dtype=torch.bool)
+    seen[:, :, :start] = real.view(rows, widest, 1) & (torch.arange(start).view(1, 1, start) < cached.view(rows, 1, 1))
+    seen[:, :, start:] = torch.eye(widest, dtype=torch.bool)  # every node, padding included, sees itself
+    for row, tree in enumerate(trees):
+        if tree.size > 1:
+            seen[row, : tree.size, start : start + tree.size] = ancestor_matrix(tree)
+    mask = torch.zeros(rows, 1, widest, start + widest, dtype=dtype)
+    mask.view(rows, widest, start + widest).masked_fill_(~seen, torch.finfo(dtype).min)
+    return input_ids, positions, mask
 
 
 def share_histories(first: Drafter, drafter: Drafter) -> None:

@@ -790,12 +790,20 @@ at::Tensor decoded(const at::Tensor& coded, int64_t K) {
   return weight;
 }
 
+// the product of an input of no rows ([..., 0, K]: a prefill whose logits nobody reads) with a weight of N rows
+at::Tensor empty_product(const at::Tensor& input, int64_t N) {
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = N;
+  return at::empty(sizes, input.options());
+}
+
 at::Tensor small_rows(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1);
   const bool wide = weight.scalar_type() == at::kBFloat16;
   const bool coded = weight.scalar_type() == at::kByte;  // Q4_1-coded (load_weights(Coded)): [N, K / 32 * 24]
   const int64_t stored = coded ? (K % 32 == 0 ? K / 32 * 24 : -1) : K;  // a weight row's stored elements
+  if (rows == 0 && weight.dim() == 2) return empty_product(input, weight.size(0));
   bool ours = input.device().is_cpu() && input.scalar_type() == at::kFloat &&
               (weight.scalar_type() == at::kFloat || wide || coded) && weight.dim() == 2 &&
               weight.is_contiguous() && weight.size(1) == stored && K > 0 && rows <= kMaxRows &&
@@ -849,6 +857,7 @@ at::Tensor wide_product(const at::Tensor& input, const at::Tensor& weight) {
                   weight.is_contiguous() && weight.size(1) == K && input.device().is_cpu(),
               "wide_product: a float32 input [..., K] and a contiguous bfloat16 weight [N, K] on the CPU");
   const int64_t N = weight.size(0);
+  if (rows == 0) return empty_product(input, N);
   std::vector<int64_t> sizes = input.sizes().vec();
   sizes.back() = N;
   at::Tensor output = at::empty(sizes, input.options());
@@ -888,7 +897,7 @@ at::Tensor bounded_head(const at::Tensor& input, const at::Tensor& weight, const
   const int64_t K = input.size(-1), rows = input.numel() / std::max<int64_t>(K, 1), N = weight.size(0);
   bool ours = argmax_only.item<bool>() && input.device().is_cpu() && input.scalar_type() == at::kFloat &&
               (wide || weight.scalar_type() == at::kFloat) && weight.dim() == 2 && weight.is_contiguous() &&
-              weight.size(1) == K && K > 0 && rows <= kMaxRows && codes.scalar_type() == at::kChar &&
+              weight.size(1) == K && K > 0 && rows > 0 && rows <= kMaxRows && codes.scalar_type() == at::kChar &&
               codes.is_contiguous() && codes.sizes() == weight.sizes() && scale.scalar_type() == at::kFloat &&
               scale.is_contiguous() && scale.numel() == N && bound.scalar_type() == at::kFloat &&
               bound.is_contiguous() && bound.numel() == N;

@@ -30,6 +30,8 @@ def compact_cache(cache: Cache, n_nodes: int, accepted_path: tuple[int, ...]) ->
     """
     kept = len(accepted_path)
     is_chain_prefix = accepted_path == tuple(range(kept))
+    if is_chain_prefix and kept == n_nodes:
+        return  # every node kept where it is (a plain step's root, a whole chain accepted)
     offsets = None
     for layer in cache.layers:
         if isinstance(layer, CompactsInPlace):

@@ -16,7 +16,7 @@ from .inputs import TreeInputs
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [n, V] for the n tokens just forwarded ([1, V]: the last one's, chunk_forward's last_only)
+    logits: torch.Tensor  # [n, V] for the n tokens just forwarded ([0, V]: none, chunk_forward's logits=False)
     hidden: dict[int, torch.Tensor]  # layer index -> [n, H]; index into hidden_states, -1 = the LM head's input
 
 
@@ -56,19 +56,21 @@ def chunk_forward(
     cache: Cache,
     input_ids: torch.Tensor,
     hidden_layers: tuple[int, ...] = (),
-    last_only: bool = False,
+    logits: bool = True,
 ) -> ForwardOutput:
-    """Plain causal forward of `input_ids` [1, m] after whatever `cache` holds (used for prefill). `last_only`: the
-    logits of the last position alone (transformers' `logits_to_keep`), for a prefill that reads none: the LM head over
-    every prompt position was 14% of a 128-token chunk's time on SmolLM2-135M (49,152 x 576)."""
+    """Plain causal forward of `input_ids` [1, m] after whatever `cache` holds (used for prefill). `logits=False`: no
+    position's logits ([0, V]; transformers' `logits_to_keep` as an empty index), for a prefill that reads none (its
+    last prompt token is the first step's root): the LM head over every position was 14% of a 128-token chunk's time
+    on SmolLM2-135M (49,152 x 576), and over the last one alone it still streamed the whole head (2.7 ms a prompt)."""
     start = cache.get_seq_length()
     positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).view(1, -1)
+    none = torch.empty(0, dtype=torch.long, device=input_ids.device)
     outputs = forward(
         input_ids=input_ids,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=bool(hidden_layers),
-        **({"logits_to_keep": 1} if last_only else {}),
+        **({} if logits else {"logits_to_keep": none}),
     )
     return _collect(outputs, hidden_layers)
