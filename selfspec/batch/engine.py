@@ -359,7 +359,7 @@ class BatchEngine:
         if len(running.committed) >= self.target.context_limit:
             running.stop_reason = "context"
             return result.accepted_path
-        rows = {}
+        rows: dict[int, torch.Tensor] = {}  # the accepted path's hidden states, for drafters that read them
         if hidden:
             path = torch.tensor(result.accepted_path, device=logits.device)
             rows = {layer: states.index_select(0, path) for layer, states in hidden.items()}
