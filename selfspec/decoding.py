@@ -214,5 +214,7 @@ def _check_root(drafter: Drafter, tree: DraftTree, root_token: int) -> None:
 
 def _path_rows(hidden: dict[int, torch.Tensor], accepted_path: tuple[int, ...], device) -> dict[int, torch.Tensor]:
     """Each layer's hidden states ([tree size, H]) at the accepted path's nodes only ([len(path), H])."""
+    if not hidden:
+        return {}  # a drafter that reads none (no index to make, at every step)
     path = torch.tensor(accepted_path, device=device)
     return {layer: states.index_select(0, path) for layer, states in hidden.items()}

@@ -644,10 +644,13 @@ class CompiledStep:
         kind, rows = self.graph_for(n, batch)
         if rows > n:
             input_ids, position_ids, mask = _padded(input_ids, position_ids, mask, rows)
+        keys, values = [], []  # each layer's storage, read once after its reserve (which may replace it)
         for layer in cache.layers:
             layer.reserve(cached + rows)
-        keys, values = zip(*(layer.storage for layer in cache.layers), strict=True)  # each layer's storage, read once
-        stores = (list(keys), list(values))
+            layer_keys, layer_values = layer.storage
+            keys.append(layer_keys)
+            values.append(layer_values)
+        stores = (keys, values)
         logits, hidden = self.runners[kind](
             input_ids, position_ids.contiguous(), mask.contiguous(), *stores, self.argmax_only
         )
