@@ -130,26 +130,17 @@ class RaggedLayer(DynamicLayer, WrittenInPlace):
     # `keys` and `values` are views of the storage made when read: a compiled step writes every layer in place and
     # only an eager forward reads them (made at every step's `mark_filled`, the 60 views took 0.13-0.17 ms of a step
     # of 1-4 requests). Only None can be set (transformers' own code, a storage replaced): it empties them.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._end is None or self.shared.keys is None else self.storage[0][:, :, : self._end]
-
-    @keys.setter
-    def keys(self, keys: None) -> None:
-        self._set_none(keys)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._end is None or self.shared.keys is None else self.storage[1][:, :, : self._end]
-
-    @values.setter
-    def values(self, values: None) -> None:
-        self._set_none(values)
+    def _filled(self, part: int) -> torch.Tensor | None:
+        """Part 0 (keys) or 1 (values) of the storage over the positions attention reads, [rows, kv_heads, end, D]."""
+        return None if self._end is None or self.shared.keys is None else self.storage[part][:, :, : self._end]
 
     def _set_none(self, tensor: None) -> None:
         if tensor is not None:
             raise AttributeError("a ragged cache layer's keys and values are its storage's: write through update")
         self._end = None
+
+    keys = property(lambda self: self._filled(0), _set_none)
+    values = property(lambda self: self._filled(1), _set_none)
 
     @property
     def store(self) -> tuple[torch.Tensor, torch.Tensor] | None:
