@@ -46,9 +46,12 @@ def test_a_stop_is_left_out():
 
 def test_holding_the_gil_is_not_a_stop():
     clock = RunningClock(tick=0.05, stall=0.4)
-    began = time.perf_counter()
-    sum(range(10**6))
-    size = int(10**6 * 0.9 / max(time.perf_counter() - began, 1e-4))  # a call of about 0.9 s on this machine
+    fastest = float("inf")
+    for _ in range(3):  # the fastest of three: a calibration slowed by the other test worker made the call too short
+        began = time.perf_counter()
+        sum(range(10**6))
+        fastest = min(fastest, time.perf_counter() - began)
+    size = int(10**6 * 0.9 / max(fastest, 1e-4))  # a call of about 0.9 s on this machine
     wall, running = time.perf_counter(), clock()
     sum(range(size))  # one C call: the ticker cannot run until it returns
     wall, running = time.perf_counter() - wall, clock() - running
